@@ -1,0 +1,51 @@
+"""Which kernel variant a tensor gets: "sm90" (Hopper), "sm80" (Ampere and newer non-Hopper), or "cpu".
+
+Per-arch variants share one public API; this module is the only place that maps a device to a
+variant and a variant to a TileLang target, so that tests can force a variant (e.g. run the
+sm80 program on an H200 with TKOPT_ARCH=sm80).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ARCHS = ("sm90", "sm80", "cpu")
+TARGETS = {"sm90": "cuda -arch=sm_90a", "sm80": "cuda -arch=sm_80", "cpu": "c"}
+
+
+class UnsupportedError(ValueError):
+    """A kernel was asked for an arch, dtype or shape it has no variant for; the message names which."""
+
+
+def arch_of(t: torch.Tensor, override: str | None = None) -> str:
+    """The variant for tensors on t's device; `override` or $TKOPT_ARCH force one (a GPU variant needs a GPU)."""
+    forced = override or os.environ.get("TKOPT_ARCH")
+    if t.device.type == "cpu":
+        if forced and forced != "cpu":
+            raise UnsupportedError(f"arch {forced!r} needs CUDA tensors, got tensors on cpu")
+        return "cpu"
+    if t.device.type != "cuda":
+        raise UnsupportedError(f"no kernel variant for device {t.device}")
+    major, minor = torch.cuda.get_device_capability(t.device)
+    native = "sm90" if (major, minor) == (9, 0) else "sm80" if major >= 8 else None
+    if forced:
+        if forced not in ARCHS or forced == "cpu":
+            raise UnsupportedError(f"TKOPT_ARCH={forced!r} is not a GPU variant; expected sm90 or sm80")
+        if forced == "sm90" and native != "sm90":
+            raise UnsupportedError(f"sm90 kernels need a Hopper GPU; this one is sm_{major}{minor}")
+        if native is None:
+            raise UnsupportedError(f"GPU sm_{major}{minor} is older than sm_80; no kernel variant")
+        return forced
+    if native is None:
+        raise UnsupportedError(f"GPU sm_{major}{minor} is older than sm_80; no kernel variant")
+    return native
+
+
+def target_of(arch: str) -> str:
+    """The TileLang/TVM target string for an arch name."""
+    try:
+        return TARGETS[arch]
+    except KeyError:
+        raise UnsupportedError(f"unknown arch {arch!r}; expected one of {ARCHS}") from None

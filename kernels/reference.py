@@ -1,0 +1,178 @@
+"""Torch references for every kernel: the single statement of what each fused op computes.
+
+The TileLang kernels are tested against these, and the graph side's fused nodes run them when no
+kernel is used (verification, fallback). Math is done in float32 (float64 stays float64) and the
+result is cast back to the input dtype, which is also what the kernels do (fp32 accumulate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def apply_activation(y: torch.Tensor, act: str | None) -> torch.Tensor:
+    """The epilogue activations the fused GEMM supports, by name."""
+    if act is None or act == "none":
+        return y
+    if act == "relu":
+        return torch.relu(y)
+    if act == "gelu":
+        return F.gelu(y)
+    if act == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    if act == "silu":
+        return F.silu(y)
+    if act == "sigmoid":
+        return torch.sigmoid(y)
+    raise ValueError(f"unknown activation {act!r}; expected one of {ACTIVATIONS}")
+
+
+def gemm_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act: str | None = None,
+    residual: torch.Tensor | None = None,
+    b_transposed: bool = False,
+) -> torch.Tensor:
+    """act(a @ b + bias) + residual. `b` is (K, N), or (N, K) when `b_transposed` (a linear weight).
+
+    `a` may have leading batch dims; bias broadcasts over the last dim (N); residual has the output shape.
+    """
+    w = _acc(b).transpose(-1, -2) if b_transposed else _acc(b)
+    y = _acc(a) @ w
+    if bias is not None:
+        y = y + _acc(bias)
+    y = apply_activation(y, act)
+    if residual is not None:
+        y = y + _acc(residual)
+    return y.to(a.dtype)
+
+
+def gated_mlp_ref(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    act: str = "silu",
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    weights_transposed: bool = False,
+) -> torch.Tensor:
+    """act(x @ Wg + bg) * (x @ Wu + bu): SwiGLU (act="silu") and GeGLU (act="gelu"/"gelu_tanh")."""
+    g = gemm_ref(_acc(x), w_gate, b_gate, act, b_transposed=weights_transposed)
+    u = gemm_ref(_acc(x), w_up, b_up, None, b_transposed=weights_transposed)
+    return (g * u).to(x.dtype)
+
+
+def flash_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    layout: str = "bhsd",
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v, per head.
+
+    layout "bhsd": (batch, heads, seq, dim); "bshd": (batch, seq, heads, dim); output as q.
+    GQA: k/v may have fewer heads than q, dividing it (head h of q reads kv head h // group).
+    mask: broadcastable to (B, Hq, Sq, Skv); float masks are added, bool masks keep where True.
+    causal: query i sees keys j <= i (top-left aligned, as torch SDPA's is_causal).
+    scale defaults to 1/sqrt(head_dim).
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, float("-inf"))
+        else:
+            s = s + _acc(mask)
+    if causal:
+        sq, skv = s.shape[-2], s.shape[-1]
+        keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    # Rows with every key masked out give NaN in torch; define them as zeros (as flash kernels do).
+    p = torch.nan_to_num(p, nan=0.0)
+    o = (p @ _acc(v)).to(q.dtype)
+    return o.transpose(1, 2) if layout == "bshd" else o
+
+
+def add_layer_norm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LayerNorm(x + residual) over the last dim, x + residual)."""
+    s = _acc(x) if residual is None else _acc(x) + _acc(residual)
+    mean = s.mean(-1, keepdim=True)
+    var = (s - mean).pow(2).mean(-1, keepdim=True)
+    y = (s - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * _acc(weight)
+    if bias is not None:
+        y = y + _acc(bias)
+    return y.to(x.dtype), s.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) over the last dim, x + residual)."""
+    s = _acc(x) if residual is None else _acc(x) + _acc(residual)
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * _acc(weight)
+    return y.to(x.dtype), s.to(x.dtype)
+
+
+def layer_norm_ref(x, weight, bias, eps: float = 1e-5) -> torch.Tensor:
+    return add_layer_norm_ref(x, None, weight, bias, eps)[0]
+
+
+def rms_norm_ref(x, weight, eps: float = 1e-6) -> torch.Tensor:
+    return add_rms_norm_ref(x, None, weight, eps)[0]
+
+
+def softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(_acc(x), dim=dim).to(x.dtype)
+
+
+def conv2d_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act: str | None = None,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+) -> torch.Tensor:
+    """act(conv2d(x, w) + bias), NCHW in and out as torch gives it."""
+    b = None if bias is None else _acc(bias)
+    y = F.conv2d(_acc(x), _acc(w), b, stride=stride, padding=padding, dilation=dilation)
+    return apply_activation(y, act).to(x.dtype)
