@@ -1,0 +1,118 @@
+"""What every pass shares: the result it reports, refusals with reasons, and the one way to fuse.
+
+A fusion rule reads like the math (after onnxscript's rewriter): find candidate anchors, `check`
+each match and return a refusal reason string for a near miss, else `rewrite` it with `fuse`.
+Reasons are kept so that the report can say why a near match was not fused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from tkopt.fused_ops import schema
+from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+
+
+@dataclass
+class Refusal:
+    """A near match that was not fused: which rule, at which node, and why."""
+
+    rule: str
+    node: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.rule} at {self.node}: {self.reason}"
+
+
+@dataclass
+class PassResult:
+    name: str
+    fused: int = 0
+    changed: int = 0  # canonicalization edits (folded, dropped, recognised)
+    refusals: list[Refusal] = field(default_factory=list)
+
+    def refuse(self, node: Node | str, reason: str) -> None:
+        self.refusals.append(Refusal(self.name, node if isinstance(node, str) else node.name, reason))
+
+
+class FusionError(ValueError):
+    """Raised by `fuse` when the node set cannot legally become one node; the message is the reason."""
+
+
+def legality_problem(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Value]) -> str | None:
+    """Why `nodes` cannot become one node producing `outputs`, or None if it can.
+
+    Two rules: no dataflow path may leave the set and re-enter it (the fused node would depend on
+    its own output), and every value produced inside and read outside must be one of `outputs`.
+    """
+    inside = {id(n) for n in nodes}
+    produced = {id(v) for n in nodes for v in n.outputs}
+    wanted = {id(v) for v in outputs}
+    missing = [v for v in outputs if id(v) not in produced]
+    if missing:
+        return f"outputs {[v.name for v in missing]} are not produced by the matched nodes"
+    users = graph.user_map()
+    for n in nodes:
+        for v in n.outputs:
+            outside = [u for u in users.get(id(v), []) if id(u) not in inside]
+            if (outside or graph.is_output(v)) and id(v) not in wanted:
+                who = outside[0].name if outside else "the graph output"
+                return f"intermediate {v.name} (from {n.name}) is also used by {who}"
+    g = graph.to_networkx()
+    member = set(nodes)
+    for n in nodes:
+        for succ in g.successors(n):
+            if succ in member:
+                continue
+            reach = nx.descendants(g, succ)
+            if reach & member:
+                return f"path leaves the match at {succ.name} and re-enters it"
+    return None
+
+
+def fuse(
+    graph: Graph,
+    nodes: Sequence[Node],
+    op: str,
+    inputs: Sequence[Value | None],
+    outputs: Sequence[Value],
+    attrs: dict[str, Any],
+) -> Node:
+    """Replace `nodes` by one fused node `op` reading `inputs` and producing `outputs`.
+
+    The fused node takes the original output Values themselves, so every reader keeps working.
+    An optional output that is unused is passed as None by the caller and dropped here.
+    Raises FusionError (with the legality reason) if the set cannot be fused.
+    """
+    s = schema(op)
+    problem = legality_problem(graph, nodes, [v for v in outputs if v is not None])
+    if problem:
+        raise FusionError(problem)
+    if len(inputs) != len(s.inputs):
+        raise ValueError(f"{op} takes {len(s.inputs)} inputs {s.inputs}, got {len(inputs)}")
+    for name, v in zip(s.inputs, inputs, strict=True):
+        if v is None and name not in s.optional_inputs:
+            raise ValueError(f"{op}: input {name} is required")
+    outs = list(outputs)
+    while outs and outs[-1] is None:
+        outs.pop()
+    if any(v is None for v in outs):
+        raise ValueError(f"{op}: only trailing outputs may be omitted")
+    ordered = [n for n in graph.nodes if n in set(nodes)]
+    replaced: list[Node] = []
+    for n in ordered:  # flatten: the unfused form is always the frontend's original nodes
+        replaced.extend(n.replaced or [n])
+    fused = Node(
+        op=op, inputs=list(inputs), outputs=outs, attrs=s.full_attrs(attrs),
+        name=graph.fresh_name(op), domain=FUSED_DOMAIN, replaced=replaced,
+    )
+    index = graph.nodes.index(ordered[-1])
+    graph.add_node(fused, index + 1)
+    graph.remove_nodes(ordered)
+    graph.toposort()
+    return fused
