@@ -1,0 +1,130 @@
+"""Shared fixtures and helpers for kernel tests.
+
+Helpers (importable from test files in tests/kernels as `from conftest import ...`, or through the
+fixtures of the same purpose below):
+
+- `tl_target(arch)`: the TileLang target for "sm90" / "sm80" / "cpu" in the form TileLang 0.1.15
+  accepts (a dict for CUDA: its `lower` rejects CLI strings such as "cuda -arch=sm_90a").
+- `lower_cuda(func, arch)`: lower a `@T.prim_func` to CUDA C++ source for sm90 or sm80 (no GPU needed).
+- `cuda_compile(src, arch)`: nvcc-compile lowered CUDA source to a cubin for sm_90a / sm_80 with
+  TileLang's template and CUTLASS include dirs (the flags TileLang's own libgen uses). Returns a
+  `CudaBuild` (cubin path, ptxas resource report); raises AssertionError with nvcc's output on failure.
+  Results are cached per source text for the session, so module-scoped fixtures can share them.
+  Skips the calling test when nvcc is not on PATH.
+
+Fixtures: `cuda_compiler` (returns `cuda_compile`), `cuda_lowerer` (returns `lower_cuda`).
+GPU tests: mark with `@pytest.mark.gpu`; they are skipped here when CUDA is unavailable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+_NVCC_ARCH = {"sm90": ("90a", "sm_90a"), "sm80": ("80", "sm_80")}
+_BUILD_DIR = tempfile.mkdtemp(prefix="tkopt_nvcc_")
+_BUILDS: dict[tuple[str, str, tuple[str, ...]], CudaBuild] = {}
+
+
+def tl_target(arch: str):
+    """TileLang target for an arch name ("sm90", "sm80", "cpu")."""
+    if arch == "cpu":
+        return "c"
+    if arch not in _NVCC_ARCH:
+        raise ValueError(f"unknown arch {arch!r}; expected sm90, sm80 or cpu")
+    return {"kind": "cuda", "arch": _NVCC_ARCH[arch][1]}
+
+
+def lower_cuda(func, arch: str) -> str:
+    """CUDA C++ source of a `@T.prim_func` lowered for `arch` ("sm90" or "sm80")."""
+    import tilelang
+    from tilelang import tvm
+
+    target = tl_target(arch)
+    with tvm.target.Target(target):
+        return tilelang.lower(func, target=target).kernel_source
+
+
+@dataclass(frozen=True)
+class CudaBuild:
+    arch: str
+    cubin: str  # path of the compiled cubin
+    log: str  # nvcc + ptxas -v output
+
+    @property
+    def registers(self) -> list[int]:
+        """Registers per thread of each kernel, from the ptxas report."""
+        return [int(x) for x in re.findall(r"Used (\d+) registers", self.log)]
+
+    @property
+    def spills(self) -> list[int]:
+        """Spill stores (bytes) of each kernel, from the ptxas report."""
+        return [int(x) for x in re.findall(r"(\d+) bytes spill stores", self.log)]
+
+
+def _include_flags() -> list[str]:
+    from tilelang.env import CUDA_HOME, CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    flags = [f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
+    if CUDA_HOME:
+        flags.append(f"-I{os.path.join(CUDA_HOME, 'include')}")
+    return flags
+
+
+def cuda_compile(src: str, arch: str, extra: tuple[str, ...] = ()) -> CudaBuild:
+    """nvcc-compile TileLang-lowered CUDA source for `arch` ("sm90" -> sm_90a, "sm80" -> sm_80)."""
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found on PATH")
+    if arch not in _NVCC_ARCH:
+        raise ValueError(f"cuda_compile: arch must be sm90 or sm80, got {arch!r}")
+    key = (src, arch, tuple(extra))
+    if key in _BUILDS:
+        return _BUILDS[key]
+    compute, sm = _NVCC_ARCH[arch]
+    h = hashlib.sha1(f"{arch}|{extra}|{src}".encode()).hexdigest()[:16]
+    cu = os.path.join(_BUILD_DIR, f"k_{h}.cu")
+    cubin = os.path.join(_BUILD_DIR, f"k_{h}.{sm}.cubin")
+    with open(cu, "w") as f:
+        f.write(src)
+    cmd = [
+        nvcc, "-std=c++20", "-w", "-Xcudafe", "--diag_suppress=177", "-O3",
+        "-gencode", f"arch=compute_{compute},code={sm}", "--cubin", "-Xptxas", "-v",
+        *_include_flags(), *extra, "-o", cubin, cu,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0 or not os.path.exists(cubin) or os.path.getsize(cubin) == 0:
+        raise AssertionError(f"nvcc failed for {arch} (rc={proc.returncode}):\n{' '.join(cmd)}\n{log[-6000:]}")
+    build = CudaBuild(arch=arch, cubin=cubin, log=log)
+    _BUILDS[key] = build
+    return build
+
+
+@pytest.fixture(scope="session")
+def cuda_compiler():
+    """The `cuda_compile(src, arch)` helper as a fixture."""
+    return cuda_compile
+
+
+@pytest.fixture(scope="session")
+def cuda_lowerer():
+    """The `lower_cuda(func, arch)` helper as a fixture."""
+    return lower_cuda
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
