@@ -1,0 +1,221 @@
+"""Autotuning and its on-disk cache, shared by every kernel.
+
+`pick_config(kernel, arch, key, candidates, default, bench)` returns the config (a dict of compile-time
+knobs) to use for one (kernel, arch, key):
+
+1. the winner cached in memory or in `cache_dir()/tune-<kernel>-<arch>.json` (only if that winner is
+   still one of `candidates` or `default`, so a changed search space re-tunes instead of using a stale
+   entry);
+2. else, when `tuning_enabled(arch)`, it times every candidate with `bench(config) -> ms` (an exception,
+   NaN or inf marks a failed candidate), shows progress, stores the fastest atomically (merge under a
+   file lock, write a temp file, `os.replace`; safe across processes) and returns it;
+3. else `default` (heuristic), without touching the disk.
+
+Environment: TKOPT_CACHE_DIR (default ~/.cache/tkopt); TKOPT_AUTOTUNE: "0"/"false"/"off" disables
+tuning; unset or anything else enables it for GPU archs; it is never on for "cpu".
+
+Keys are JSON-encoded (tuples become lists), so use plain ints / strs / bools / floats in them;
+`shape_bucket(n)` rounds a dynamic size (e.g. M) up to a power of two to keep keys few.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+_LOCK = threading.Lock()
+_MEMORY: dict[tuple[str, str, str, str], dict] = {}
+_FALSE = ("0", "false", "off", "no")
+
+
+def cache_dir() -> str:
+    """Directory of the tuning cache files: $TKOPT_CACHE_DIR or ~/.cache/tkopt."""
+    return os.environ.get("TKOPT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tkopt")
+
+
+def tuning_enabled(arch: str | None = None) -> bool:
+    """Whether pick_config may benchmark: never for cpu; off when TKOPT_AUTOTUNE is 0/false/off."""
+    if arch == "cpu":
+        return False
+    return os.environ.get("TKOPT_AUTOTUNE", "1").strip().lower() not in _FALSE
+
+
+def shape_bucket(n: int, cap: int = 1 << 16) -> int:
+    """n rounded up to a power of two (at least 1), capped at `cap`: a cache-key bucket for a dynamic size."""
+    n = int(n)
+    if n <= 1:
+        return 1
+    return min(1 << (n - 1).bit_length(), cap)
+
+
+def _file(kernel: str, arch: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{kernel}-{arch}")
+    return os.path.join(cache_dir(), f"tune-{safe}.json")
+
+
+def _key_str(key: tuple) -> str:
+    return json.dumps(list(key) if isinstance(key, (tuple, list)) else [key], sort_keys=True, default=str)
+
+
+def _norm(cfg: dict) -> dict:
+    """A config as it round-trips through JSON (tuples become lists), for comparisons."""
+    return json.loads(json.dumps(cfg, sort_keys=True, default=str))
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    """An exclusive advisory lock on `path + '.lock'` (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path + ".lock", "a+") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lf, fcntl.LOCK_UN)
+
+
+def _store(kernel: str, arch: str, kstr: str, entry: dict) -> None:
+    path = _file(kernel, arch)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with _file_lock(path):
+        data = _read(path)  # merge with what other processes wrote meanwhile
+        data[kstr] = entry
+        fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=os.path.dirname(path))
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def cached_entry(kernel: str, arch: str, key: tuple) -> dict | None:
+    """The stored tuning record {"config", "ms", "timings", "time"} for a key, or None."""
+    return _read(_file(kernel, arch)).get(_key_str(key))
+
+
+def _progress(n: int, desc: str):
+    """A (advance, close) pair drawing a progress bar on stderr with rich or tqdm, else plain lines."""
+    try:
+        from rich.progress import Progress
+
+        prog = Progress(transient=True)
+        prog.start()
+        task = prog.add_task(desc, total=n)
+        return (lambda: prog.advance(task)), prog.stop
+    except Exception:
+        pass
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, desc=desc, file=sys.stderr, leave=False)
+        return (lambda: bar.update(1)), bar.close
+    except Exception:
+        counter = [0]
+
+        def advance():
+            counter[0] += 1
+            print(f"{desc}: {counter[0]}/{n}", file=sys.stderr)
+
+        return advance, (lambda: None)
+
+
+def pick_config(
+    kernel: str,
+    arch: str,
+    key: tuple,
+    candidates: Sequence[dict],
+    default: dict,
+    bench: Callable[[dict], float],
+) -> dict:
+    """The config for (kernel, arch, key): cached winner, else tuned winner (if enabled), else `default`."""
+    kstr = _key_str(key)
+    allowed = [_norm(c) for c in candidates] + [_norm(default)]
+    mkey = (cache_dir(), kernel, arch, kstr)
+    with _LOCK:
+        hit = _MEMORY.get(mkey)
+    if hit is not None:
+        return dict(hit)
+    entry = _read(_file(kernel, arch)).get(kstr)
+    if entry and isinstance(entry.get("config"), dict) and _norm(entry["config"]) in allowed:
+        # Return the caller's own dict (tuples intact) equal to the stored one.
+        idx = allowed.index(_norm(entry["config"]))
+        cfg = dict((list(candidates) + [default])[idx])
+        with _LOCK:
+            _MEMORY[mkey] = cfg
+        return dict(cfg)
+    if not tuning_enabled(arch) or not candidates:
+        return dict(default)
+
+    timings: list[float] = []
+    advance, close = _progress(len(candidates), f"tkopt autotune {kernel} {arch}")
+    try:
+        for cfg in candidates:
+            try:
+                ms = float(bench(dict(cfg)))
+            except Exception as exc:  # a candidate that fails to compile or run is skipped
+                print(f"tkopt autotune {kernel}: candidate {cfg} failed: {type(exc).__name__}: {exc}"[:400],
+                      file=sys.stderr)
+                ms = math.inf
+            if not (ms == ms) or ms <= 0:  # NaN or non-positive: not a valid timing
+                ms = math.inf
+            timings.append(ms)
+            advance()
+    finally:
+        close()
+    best = min(range(len(timings)), key=timings.__getitem__)
+    if not math.isfinite(timings[best]):
+        print(f"tkopt autotune {kernel} {arch}: every candidate failed; using the default", file=sys.stderr)
+        return dict(default)
+    winner = dict(candidates[best])
+    entry = {
+        "config": _norm(winner),
+        "ms": timings[best],
+        "timings": [[_norm(c), t if math.isfinite(t) else None] for c, t in zip(candidates, timings, strict=True)],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    try:
+        _store(kernel, arch, kstr, entry)
+    except OSError as exc:  # a read-only cache dir must not break the kernel
+        print(f"tkopt autotune: could not write the cache ({exc}); keeping the winner in memory", file=sys.stderr)
+    with _LOCK:
+        _MEMORY[mkey] = winner
+    return dict(winner)
+
+
+def clear_memory_cache() -> None:
+    """Forget in-process winners (the files stay); for tests and after changing TKOPT_CACHE_DIR."""
+    with _LOCK:
+        _MEMORY.clear()
+
+
+__all__ = [
+    "cache_dir",
+    "cached_entry",
+    "clear_memory_cache",
+    "pick_config",
+    "shape_bucket",
+    "tuning_enabled",
+]
