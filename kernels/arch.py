@@ -12,7 +12,12 @@ import os
 import torch
 
 ARCHS = ("sm90", "sm80", "cpu")
-TARGETS = {"sm90": "cuda -arch=sm_90a", "sm80": "cuda -arch=sm_80", "cpu": "c"}
+# TVM in TileLang 0.1.15 takes targets as JSON-style dicts; the "cuda -arch=..." string form is rejected.
+TARGETS: dict[str, dict[str, str]] = {
+    "sm90": {"kind": "cuda", "arch": "sm_90a"},
+    "sm80": {"kind": "cuda", "arch": "sm_80"},
+    "cpu": {"kind": "c"},
+}
 
 
 class UnsupportedError(ValueError):
@@ -43,9 +48,11 @@ def arch_of(t: torch.Tensor, override: str | None = None) -> str:
     return native
 
 
-def target_of(arch: str) -> str:
-    """The TileLang/TVM target string for an arch name."""
+def target_of(arch: str):
+    """The tvm Target for an arch name (for tilelang.compile / tilelang.lower)."""
+    from tvm.target import Target
+
     try:
-        return TARGETS[arch]
+        return Target(TARGETS[arch])
     except KeyError:
         raise UnsupportedError(f"unknown arch {arch!r}; expected one of {ARCHS}") from None
