@@ -50,6 +50,7 @@ def arch_of(t: torch.Tensor, override: str | None = None) -> str:
 
 def target_of(arch: str):
     """The tvm Target for an arch name (for tilelang.compile / tilelang.lower)."""
+    import tilelang  # noqa: F401  (puts its bundled tvm on the path)
     from tvm.target import Target
 
     try:
