@@ -1,0 +1,27 @@
+"""tkopt: graph-level fusion optimizer (FX and ONNX graphs in, fused torch modules and ONNX models out).
+
+Public names are imported lazily so that `import tkopt` stays cheap (no torch, no onnx).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "optimize_onnx": "tkopt.api",
+    "compare_onnx": "tkopt.api",
+    "AccuracyError": "tkopt.api",
+    "import_onnx": "tkopt.frontends.onnx",
+    "ModelLoadError": "tkopt.frontends.onnx",
+    "export_onnx": "tkopt.backends.onnx_model",
+    "run_model": "tkopt.onnx_runtime_ref",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tkopt' has no attribute {name!r}")

@@ -1,0 +1,286 @@
+"""ONNX backend: tkopt's IR -> an ONNX model, and saving it safely.
+
+Unfused nodes are re-emitted from their NodeProto (`origin`) with only their value names updated,
+so they run exactly as before; fused nodes become domain "tkopt" nodes with every attribute
+explicit. The tkopt op schemas are registered with onnx so that the checker (full_check) and shape
+inference understand the fused nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.defs import OpSchema
+
+from tkopt.frontends.onnx import CONST_INPUT_ATTRS, ELEM_TYPES, outer_reads
+from tkopt.fused_ops import SCHEMAS, FusedOpSchema
+from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+
+FUSED_OPSET = 1
+DEFAULT_OPSET = 18  # for graphs that did not come from ONNX
+TWO_GB = 2**31
+
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+
+
+# ---- tkopt op schemas -------------------------------------------------------------------------
+def _out_shape(op: str, ctx: Any, attrs: dict[str, Any]) -> list[onnx.TypeProto]:
+    """Output types of a fused node from its input types (same dtype as the first input)."""
+    first = ctx.get_input_type(0)
+    out = onnx.TypeProto()
+    out.CopyFrom(first)
+    dims = out.tensor_type.shape.dim if out.tensor_type.HasField("shape") else None
+    if dims is not None and len(dims) > 0:
+        if op in ("FusedGemm", "FusedGatedMLP"):
+            w = ctx.get_input_type(1)
+            wdims = w.tensor_type.shape.dim if w.tensor_type.HasField("shape") else []
+            if len(wdims) == 2:
+                dims[-1].CopyFrom(wdims[0] if attrs.get("trans_b", 0) else wdims[1])
+            else:
+                out.tensor_type.ClearField("shape")
+        elif op == "FusedAttention":
+            v = ctx.get_input_type(2)
+            vdims = v.tensor_type.shape.dim if v.tensor_type.HasField("shape") else []
+            if len(vdims) == len(dims):
+                dims[-1].CopyFrom(vdims[-1])
+            else:
+                out.tensor_type.ClearField("shape")
+    return [out] * ctx.get_num_outputs()
+
+
+def _inference(op: str):
+    def infer(ctx: Any) -> None:
+        if not ctx.has_input(0) or not ctx.get_input_type(0).HasField("tensor_type"):
+            return
+        attrs = {}
+        if op in ("FusedGemm", "FusedGatedMLP"):
+            a = ctx.get_attribute("trans_b")
+            attrs["trans_b"] = a.i if a is not None else 0
+        for i, t in enumerate(_out_shape(op, ctx, attrs)):
+            ctx.set_output_type(i, t)
+
+    return infer
+
+
+def _onnx_schema(s: FusedOpSchema) -> OpSchema:
+    opt, single = OpSchema.FormalParameterOption.Optional, OpSchema.FormalParameterOption.Single
+    ins = [
+        OpSchema.FormalParameter(n, "M" if n == "mask" else "T", param_option=opt if n in s.optional_inputs else single)
+        for n in s.inputs
+    ]
+    outs = [
+        OpSchema.FormalParameter(n, "T", param_option=opt if n in s.optional_outputs else single) for n in s.outputs
+    ]
+    constraints = [("T", _FLOATS, "float tensors")]
+    if "mask" in s.inputs:
+        constraints.append(("M", [*_FLOATS, "tensor(bool)"], "additive float mask or boolean keep-mask"))
+    attrs = [OpSchema.Attribute(k, helper.make_attribute(k, v), "") for k, v in s.attrs.items()]
+    doc = f"tkopt fused op {s.name}; semantics: tkopt.fused_ops.SCHEMAS[{s.name!r}]"
+    sch = OpSchema(s.name, FUSED_DOMAIN, FUSED_OPSET, doc, inputs=ins, outputs=outs, type_constraints=constraints,
+                   attributes=attrs)
+    sch.set_type_and_shape_inference_function(_inference(s.name))
+    return sch
+
+
+def register_schemas() -> None:
+    """Make onnx's checker and shape inference know the tkopt ops (idempotent)."""
+    for s in SCHEMAS.values():
+        if not onnx.defs.has(s.name, FUSED_DOMAIN):
+            onnx.defs.register_schema(_onnx_schema(s))
+
+
+# ---- export -----------------------------------------------------------------------------------
+def _value_info(v: Value) -> onnx.ValueInfoProto:
+    elem = ELEM_TYPES.get(v.dtype or "", onnx.TensorProto.UNDEFINED)
+    return helper.make_tensor_value_info(v.name, elem, None if v.shape is None else list(v.shape))
+
+
+def _tensor(v: Value) -> onnx.TensorProto:
+    """A new initializer from a const Value (bfloat16 data is held as float32)."""
+    arr = np.asarray(v.const)
+    if v.dtype == "bfloat16":
+        return helper.make_tensor(v.name, onnx.TensorProto.BFLOAT16, arr.shape, arr.astype(np.float32).ravel())
+    if v.dtype and v.dtype in ELEM_TYPES:
+        arr = arr.astype(helper.tensor_dtype_to_np_dtype(ELEM_TYPES[v.dtype]), copy=False)
+    return numpy_helper.from_array(arr, v.name)
+
+
+def _attr(key: str, value: Any) -> onnx.AttributeProto:
+    if isinstance(value, np.ndarray):
+        return helper.make_attribute(key, numpy_helper.from_array(value))
+    return helper.make_attribute(key, value)
+
+
+def _fused_node(n: Node) -> onnx.NodeProto:
+    s = SCHEMAS[n.op]
+    names = ["" if v is None else v.name for v in n.inputs]
+    while names and names[-1] == "":
+        names.pop()
+    attrs = {k: type(s.attrs[k])(v) for k, v in s.full_attrs(n.attrs).items()}
+    return helper.make_node(n.op, names, [v.name for v in n.outputs], name=n.name, domain=FUSED_DOMAIN, **attrs)
+
+
+def _from_origin(n: Node, out: list[onnx.NodeProto]) -> None:
+    """The original NodeProto with its value names updated to the IR's current wiring."""
+    proto = onnx.NodeProto()
+    proto.CopyFrom(n.origin)
+    n_explicit = len(n.origin.input)
+    del proto.input[:]
+    proto.input.extend("" if v is None else v.name for v in n.inputs[:n_explicit])
+    del proto.output[:]
+    proto.output.extend(v.name for v in n.outputs)
+    # Subgraphs read outer values by name: keep those names alive if the IR rewired them.
+    implicit = n.inputs[n_explicit:]
+    if implicit:
+        reads = sorted(r for a in n.origin.attribute for g in ([a.g] if a.HasField("g") else a.graphs)
+                       for r in outer_reads(g))
+        for old, v in zip(reads, implicit, strict=False):
+            if v is not None and v.name != old:
+                out.append(helper.make_node("Identity", [v.name], [old], name=f"{n.name}_outer_{old}"))
+    out.append(proto)
+
+
+def _from_attrs(n: Node) -> onnx.NodeProto:
+    """A default-domain node that has no origin (made by a pass): emitted from op and attrs."""
+    if "::" in n.op:
+        raise ValueError(f"node {n.name}: cannot emit namespaced op {n.op} without its original NodeProto")
+    attrs = dict(n.attrs)
+    for key in CONST_INPUT_ATTRS.get(n.op, ()):
+        attrs.pop(key, None)  # given as inputs in ONNX
+    if n.op == "Cast":
+        attrs["to"] = ELEM_TYPES[attrs["to"]]
+    names = ["" if v is None else v.name for v in n.inputs]
+    while names and names[-1] == "":
+        names.pop()
+    node = helper.make_node(n.op, names, [v.name for v in n.outputs], name=n.name, domain=n.domain)
+    node.attribute.extend(_attr(k, v) for k, v in attrs.items())
+    return node
+
+
+def _emit(n: Node, out: list[onnx.NodeProto]) -> None:
+    if n.is_fused:
+        out.append(_fused_node(n))
+    elif n.origin is not None:
+        _from_origin(n, out)
+    elif n.replaced:  # a recognised canonical node nobody fused: its original nodes
+        for r in n.replaced:
+            _emit(r, out)
+    else:
+        out.append(_from_attrs(n))
+
+
+def export_onnx(graph: Graph) -> onnx.ModelProto:
+    """The ONNX model for `graph` (an imported one keeps its opsets, metadata and functions)."""
+    register_schemas()
+    src: onnx.ModelProto | None = graph.meta.get("onnx_model")
+    orig_inits: dict[str, onnx.TensorProto] = graph.meta.get("onnx_initializers", {})
+    import_consts: dict[str, np.ndarray] = graph.meta.get("onnx_import_consts", {})
+
+    nodes: list[onnx.NodeProto] = []
+    for n in graph.nodes:
+        _emit(n, nodes)
+    produced = {o for p in nodes for o in p.output}
+    input_names = {v.name for v in graph.inputs}
+
+    # Graph outputs keep their original names even if the IR now returns another value.
+    out_names = graph.meta.get("onnx_output_names") or [v.name for v in graph.outputs]
+    if len(out_names) != len(graph.outputs):
+        out_names = [v.name for v in graph.outputs]
+    for name, v in zip(out_names, graph.outputs, strict=True):
+        if v.name != name:
+            nodes.append(helper.make_node("Identity", [v.name], [name], name=graph.fresh_name("output_alias")))
+
+    used = {i for p in nodes for i in p.input} | {v.name for v in graph.outputs}
+    used |= {r for p in nodes for a in p.attribute for g in ([a.g] if a.HasField("g") else a.graphs)
+             for r in outer_reads(g)}
+    consts: dict[str, Value] = {}
+    for v in graph.values():
+        if v.const is not None and v.name in used and v.name not in produced and v.name not in input_names:
+            consts[v.name] = v
+    initializers = []
+    for name, v in consts.items():
+        if name in orig_inits and import_consts.get(name) is v.const:
+            initializers.append(orig_inits[name])
+        else:
+            initializers.append(_tensor(v))
+
+    src_vi = {vi.name: vi for vi in src.graph.value_info} if src is not None else {}
+    src_io = {vi.name: vi for vi in (*src.graph.input, *src.graph.output)} if src is not None else {}
+    inputs = [src_io.get(v.name) or _value_info(v) for v in graph.inputs]
+    outputs = []
+    for name, v in zip(out_names, graph.outputs, strict=True):
+        vi = src_io.get(name)
+        if vi is None:
+            vi = _value_info(v)
+            vi.name = name
+        outputs.append(vi)
+    io_names = {vi.name for vi in (*inputs, *outputs)}
+    value_info = [vi for name, vi in src_vi.items() if name in produced and name not in io_names]
+    have = {vi.name for vi in value_info} | io_names
+    for n in graph.nodes:
+        if n.origin is None:
+            value_info += [_value_info(v) for v in n.outputs if v.name not in have and v.dtype in ELEM_TYPES]
+
+    g = helper.make_graph(nodes, graph.name, inputs, outputs, initializers, value_info=value_info)
+    if src is not None:
+        model = helper.make_model(g, opset_imports=list(src.opset_import), functions=list(src.functions))
+        model.ir_version = src.ir_version
+        for f in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+            setattr(model, f, getattr(src, f))
+        model.metadata_props.extend(src.metadata_props)
+        g.doc_string = src.graph.doc_string
+    else:
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)], producer_name="tkopt")
+    if any(p.domain == FUSED_DOMAIN for p in nodes) and not any(o.domain == FUSED_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(FUSED_DOMAIN, FUSED_OPSET))
+    return model
+
+
+def check(model: onnx.ModelProto) -> None:
+    """onnx.checker with full_check (strict shape inference, tkopt ops included)."""
+    register_schemas()
+    if model.ByteSize() < TWO_GB:
+        onnx.checker.check_model(model, full_check=True)
+        return
+    with tempfile.TemporaryDirectory() as d:  # > 2 GB: the checker reads it from disk
+        path = os.path.join(d, "model.onnx")
+        save(model, path, external_data=True)
+        onnx.checker.check_model(path, full_check=True)
+
+
+# ---- saving -----------------------------------------------------------------------------------
+def save(model: onnx.ModelProto, path: str | Path, external_data: bool | None = None) -> Path:
+    """Write `model` atomically: all or nothing, model file and its external data file alike.
+
+    `external_data=None` means: only when the model is 2 GB or more. The data goes to
+    `<name>.data` next to the model. Both files are written into a temporary directory beside the
+    target and moved into place with os.replace, so a failure leaves no half-written file.
+    """
+    path = Path(path)
+    if external_data is None:
+        external_data = model.ByteSize() >= TWO_GB
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        tmp_model = os.path.join(tmp, path.name)
+        if external_data:
+            location = f"{path.name}.data"
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)  # save_model rewrites tensors to point at the data file
+            onnx.save_model(copy, tmp_model, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=location, size_threshold=1024)
+            if os.path.exists(os.path.join(tmp, location)):
+                os.replace(os.path.join(tmp, location), path.parent / location)
+        else:
+            onnx.save_model(model, tmp_model)
+        os.replace(tmp_model, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
