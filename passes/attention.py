@@ -1,0 +1,571 @@
+"""Attention fusion: softmax(Q K^T * scale + mask [causal]) V, decomposed or canonical, -> FusedAttention.
+
+Two anchors. A decomposed attention is found from its Softmax: backwards through the scores chain
+(scale Mul/Div, additive-mask Add, Where(cond, scores, -inf) masks, Casts) to the Q·K^T MatMul,
+forwards through Casts and eval-mode Dropout to the ·V MatMul. A ScaledDotProductAttention node
+(aten.scaled_dot_product_attention) is converted directly. In both, the Q/K/V operands are then
+"peeled": single-use Transposes (permutations composed, the net effect checked exactly), scale
+Muls on Q and K, and the GQA head repeat of K/V (repeat_interleave semantics only) are absorbed,
+and BSHD inputs with a transposed-back output become layout "bshd".
+
+Anything that only looks like attention is refused with the reason (see the tests for each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from tkopt.ir import Graph, Node, Value
+
+from .base import FusionError, PassResult, fuse
+from .canonicalize import EVALUATORS
+from .patterns import GraphIndex, const_array, norm_axis
+from .pipeline import register
+
+IDENT = (0, 1, 2, 3)
+SWAP = (0, 1, 3, 2)  # K^T from a BHSD K
+BSHD = (0, 2, 1, 3)  # BHSD from BSHD, and back
+BSHD_KT = (0, 2, 3, 1)  # K^T from a BSHD K
+NEG_FILL = -1e4  # a fill/additive value at or below this zeroes the softmax weight (exp underflows): as -inf
+PASS_THROUGH = ("Identity", "aten::clone", "aten::contiguous", "aten::alias")
+CHAIN_OPS = ("Cast", "Identity", "Add", "Mul", "Div", "Where")
+
+
+class _Miss(Exception):
+    """Not an attention at all: skip silently."""
+
+
+class _Refuse(Exception):
+    """An attention near miss: the message is the reason."""
+
+
+class _View(GraphIndex):
+    """The graph with producers and users indexed (rebuilt after every fusion), plus constants."""
+
+    def only_user(self, v: Value, node: Node) -> bool:
+        return self.sole_user(v) is node
+
+    def other_user(self, v: Value, node: Node) -> str:
+        others = [u.name for u in self.users(v) if u is not node]
+        return others[0] if others else "the graph output"
+
+    def const(self, v: Value | None, depth: int = 12) -> np.ndarray | None:
+        """The data of `v` if it is constant or computed from constants (and static shapes) only.
+
+        Canonicalize folds small constant subgraphs; causal masks are often larger than its limit,
+        so they are evaluated here (with its evaluators), without changing the graph.
+        """
+        data = const_array(self, v)
+        p = self.producer(v)
+        if data is not None or p is None or depth == 0 or p.op not in EVALUATORS or len(p.outputs) != 1:
+            return data
+        if p.op in ("Shape", "Size"):
+            ins: list[np.ndarray | None] = [None]
+            shape = None if p.inputs[0] is None else p.inputs[0].shape
+            if shape is None or not all(isinstance(d, int) for d in shape):
+                return None
+        else:
+            ins = [None if i is None else self.const(i, depth - 1) for i in p.inputs]
+            if any(a is None for a, i in zip(ins, p.inputs, strict=True) if i is not None):
+                return None
+        try:
+            out = np.asarray(EVALUATORS[p.op](p, ins))
+        except (ValueError, TypeError, IndexError, KeyError):
+            return None
+        return None if out.dtype == object else out
+
+    def scalar(self, v: Value | None) -> float | None:
+        """The value of a constant whose elements are all equal (a broadcast scalar), else None."""
+        c = const_array(self, v)
+        if c is None or c.size == 0 or c.dtype == bool:
+            return None
+        flat = c.reshape(-1).astype(np.float64)
+        return float(flat[0]) if np.all(flat == flat[0]) else None
+
+
+def _compose(net: tuple[int, ...], perm: list[int]) -> tuple[int, ...]:
+    """operand = permute(y, net) and y = permute(x, perm)  =>  operand = permute(x, result)."""
+    return tuple(perm[i] for i in net)
+
+
+def _dims_equal(a: object, b: object) -> bool:
+    return a is not None and a == b
+
+
+def _shape_str(v: Value) -> str:
+    return "?" if v.shape is None else "(" + ", ".join(str(d) for d in v.shape) + ")"
+
+
+# ---- GQA head repeat ----------------------------------------------------------------------------
+def _strip(view: _View, v: Value, reader: Node, nodes: list[Node]) -> Value:
+    """Walk back from `v` through single-use no-op nodes (Identity, clone), collecting them."""
+    while True:
+        p = view.producer(v)
+        if p is None or p.op not in PASS_THROUGH or not view.only_user(v, reader):
+            return v
+        nodes.append(p)
+        v, reader = p.inputs[0], p
+
+
+def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, list[Node]] | None:
+    """Reshape(Expand(Unsqueeze(x, a))) folding the new axis into a neighbour: (x, a, merged lo, reps, nodes).
+
+    The reshape merges 5-D axes (lo, lo + 1), one of which is the new axis a. The caller decides
+    what that means: new axis right after the head axis is repeat_interleave (head h reads h // g),
+    right before it is tile (h reads h % Hkv).
+    """
+    nodes = [reshape]
+    x5 = _strip(view, reshape.inputs[0], reshape, nodes)
+    exp = view.producer(x5)
+    if exp is None or exp.op != "Expand" or not view.only_user(x5, nodes[-1]):
+        return None
+    nodes.append(exp)
+    u_out = _strip(view, exp.inputs[0], exp, nodes)
+    unsq = view.producer(u_out)
+    if unsq is None or unsq.op != "Unsqueeze" or not view.only_user(u_out, nodes[-1]):
+        return None
+    nodes.append(unsq)
+    x = unsq.inputs[0]
+    axes = unsq.attrs.get("axes")
+    axes = [axes] if isinstance(axes, int) else axes
+    if x.rank != 4 or not axes or len(axes) != 1 or u_out.rank != 5 or x5.rank != 5:
+        return None
+    a = norm_axis(int(axes[0]), 5)
+    src, exp_shape, out = u_out.shape, x5.shape, reshape.outputs[0].shape
+    if src is None or exp_shape is None or out is None or len(out) != 4:
+        return None
+    # Only axis a broadcasts; every other axis keeps its size.
+    if any(i != a and not _dims_equal(src[i], exp_shape[i]) for i in range(5)):
+        return None
+    g = exp_shape[a]
+    if not isinstance(g, int):
+        return None
+    # The reshape merges axis a with a neighbour (a+1 -> tile order, a-1 -> interleave order).
+    for lo in (a - 1, a):
+        if lo < 0 or lo + 1 > 4:
+            continue
+        merged = [*exp_shape[:lo], None, *exp_shape[lo + 2:]]
+        other = exp_shape[lo + 1] if lo == a else exp_shape[lo]
+        keep = all(_dims_equal(out[i], merged[i]) for i in range(4) if i != lo)
+        heads_ok = isinstance(other, int) and out[lo] == other * g
+        if keep and heads_ok:
+            return x, a, lo, g, nodes
+    return None
+
+
+# ---- Q/K/V operand peeling ------------------------------------------------------------------------
+@dataclass
+class _Src:
+    """A candidate source of a Q/K/V operand: operand = permute(repeat_heads(value, group), net) * scale."""
+
+    value: Value
+    net: tuple[int, ...]
+    scale: float = 1.0
+    group: int = 1
+    nodes: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class _Peel:
+    states: list[_Src]
+    scaled_by: Node | None = None  # a scale Mul/Div met on V (not absorbed)
+    gqa_refusal: str | None = None
+
+
+def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool) -> _Peel:
+    """Every source reachable from `operand` through single-use layout/scale/head-repeat nodes."""
+    st = _Src(operand, IDENT)
+    out = _Peel([st])
+    while True:
+        cur = st.value
+        p = view.producer(cur)
+        if p is None or not view.only_user(cur, reader):
+            return out
+        if p.op in PASS_THROUGH or (p.op == "Expand" and cur.shape is not None and p.inputs[0].shape == cur.shape):
+            st, reader = replace(st, value=p.inputs[0], nodes=[*st.nodes, p]), p
+        elif p.op == "Transpose" and len(p.attrs.get("perm") or ()) == 4:
+            net = _compose(st.net, list(p.attrs["perm"]))
+            st, reader = replace(st, value=p.inputs[0], net=net, nodes=[*st.nodes, p]), p
+        elif p.op in ("Mul", "Div"):
+            c, x = view.scalar(p.inputs[1]), p.inputs[0]
+            if c is None and p.op == "Mul":
+                c, x = view.scalar(p.inputs[0]), p.inputs[1]
+            if c is None or c == 0 or (x.shape is not None and x.shape != cur.shape):
+                return out
+            if not allow_scale:
+                out.scaled_by = p
+                return out
+            factor = c if p.op == "Mul" else 1.0 / c
+            st, reader = replace(st, value=x, scale=st.scale * factor, nodes=[*st.nodes, p]), p
+        elif st.group == 1 and (rep := _head_repeat(view, p, head_axis=st.net[1], out=out)) is not None:
+            x, g, rep_nodes = rep
+            st, reader = replace(st, value=x, group=g, nodes=[*st.nodes, *rep_nodes]), rep_nodes[-1]
+        else:
+            return out
+        out.states.append(st)
+
+
+def _head_repeat(view: _View, p: Node, head_axis: int, out: _Peel) -> tuple[Value, int, list[Node]] | None:
+    """An absorbable repeat of the head axis with repeat_interleave semantics: (source, group, nodes).
+
+    Tile semantics (head h reads kv head h % Hkv) is recorded as a refusal and not absorbed.
+    """
+    tile = None
+    if p.op == "Reshape" and (m := _expand_repeat(view, p)) is not None:
+        x, a, lo, g, nodes = m
+        if a == head_axis + 1 and lo == head_axis:
+            return x, g, nodes
+        if a == head_axis and lo == a:
+            tile = f"Unsqueeze/Expand/Reshape repeats axis {head_axis} as a tile"
+    elif p.op == "aten::repeat_interleave":
+        reps, dim = p.attrs.get("repeats"), p.attrs.get("dim")
+        if isinstance(reps, int) and dim is not None and p.inputs[0].rank == 4 and norm_axis(dim, 4) == head_axis:
+            return p.inputs[0], reps, [p]
+    elif p.op in ("Tile", "aten::repeat"):
+        reps = p.attrs.get("repeats")
+        if reps is None and len(p.inputs) > 1:
+            reps = view.const(p.inputs[1])
+        if reps is not None and len(reps) == 4 and int(reps[head_axis]) > 1:
+            tile = f"{p.op} repeats axis {head_axis}"
+    if tile:
+        out.gqa_refusal = (
+            f"K/V heads repeated with tile semantics ({tile}: head h reads kv head h % Hkv), not "
+            f"repeat_interleave (h // group) as GQA needs; the repeated K/V are used as they are"
+        )
+    return None
+
+
+# ---- the matched attention ------------------------------------------------------------------------
+@dataclass
+class _Match:
+    nodes: list[Node]  # scores chain, softmax, probs chain, both MatMuls (or the SDPA node)
+    q: _Peel
+    k: _Peel
+    v: _Peel
+    out: Value  # the ·V result (BHSD)
+    scale: float | None  # None: the default 1/sqrt(d)
+    causal: int
+    mask: Value | None
+    k_transposed: bool  # True: K enters as K^T (MatMul form); False: as K (SDPA)
+
+
+def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], Value]:
+    """Pick the layout and the deepest consistent Q/K/V sources: (layout, q, k, v, extra nodes, output)."""
+    users = view.users(m.out)
+    t_out = users[0] if len(users) == 1 and not view.is_output(m.out) else None
+    bshd_out = t_out is not None and t_out.op == "Transpose" and tuple(t_out.attrs.get("perm") or ()) == BSHD
+    k_nets = {"bhsd": SWAP, "bshd": BSHD_KT} if m.k_transposed else {"bhsd": IDENT, "bshd": BSHD}
+    for layout in (("bshd", "bhsd") if bshd_out else ("bhsd",)):
+        qn = IDENT if layout == "bhsd" else BSHD
+        qs = [s for s in m.q.states if s.net == qn and s.group == 1]
+        ks = [s for s in m.k.states if s.net == k_nets[layout]]
+        vs = [s for s in m.v.states if s.net == qn]
+        pairs = [(k, v) for k in reversed(ks) for v in reversed(vs) if k.group == v.group]
+        if qs and pairs:
+            k, v = pairs[0]
+            extra = [t_out] if layout == "bshd" else []
+            return layout, qs[-1], k, v, extra, t_out.outputs[0] if layout == "bshd" else m.out
+    kt = "K^T" if m.k_transposed else "K"
+    want = "a swap of its last two axes" if m.k_transposed else "no permutation"
+    if not any(s.net in k_nets.values() for s in m.k.states):
+        nets = ", ".join(str(list(s.net)) for s in m.k.states)
+        raise _Refuse(
+            f"{kt} is not {want} of a (B,H,S,D) or (B,S,H,D) tensor "
+            f"(net permutations from its producers: {nets})"
+        )
+    raise _Refuse("Q, K and V do not share one layout (bhsd or bshd) with consistent K/V head groups")
+
+
+def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> None:
+    layout, q, k, v, extra, out = _choose(view, m)
+    if m.k_transposed:  # decomposed: no scale anywhere means 1
+        unscaled = m.scale is None and q.scale == 1.0 and k.scale == 1.0
+        scale = (1.0 if m.scale is None else m.scale) * q.scale * k.scale
+        if scale <= 0:
+            raise _Refuse(f"attention scale {scale} is not positive")
+    else:  # SDPA: None means the default 1/sqrt(d) (attribute 0)
+        unscaled, scale = False, m.scale
+    if unscaled:
+        scaled = m.v.scaled_by or _output_scale(view, m.out)
+        if scaled is not None:
+            raise _Refuse(
+                f"scale applied to V or the output ({scaled.name}) instead of the scores: not the "
+                f"softmax temperature, so not fused as attention (near miss)"
+            )
+    if m.k.gqa_refusal or m.v.gqa_refusal:
+        result.refuse(anchor, m.k.gqa_refusal or m.v.gqa_refusal or "")
+    for name, s in (("Q", q), ("K", k), ("V", v)):
+        if s.value.rank != 4:
+            raise _Refuse(f"{name} {s.value.name} has rank {s.value.rank}; FusedAttention needs 4-D")
+    if out.dtype is not None and q.value.dtype is not None and out.dtype != q.value.dtype:
+        raise _Refuse(f"output dtype {out.dtype} differs from Q's {q.value.dtype}")
+    h_axis = 1 if layout == "bhsd" else 2
+    hq, hk = q.value.shape[h_axis], k.value.shape[h_axis]  # type: ignore[index]
+    if isinstance(hq, int) and isinstance(hk, int) and hq % hk:
+        raise _Refuse(f"query heads {hq} are not a multiple of key/value heads {hk}")
+    inputs = [q.value, k.value, v.value, m.mask]
+    nodes = _with_constants(view, [*m.nodes, *q.nodes, *k.nodes, *v.nodes, *extra], inputs)
+    attrs = {"scale": 0.0 if scale is None else float(scale), "causal": m.causal, "layout": layout}
+    try:
+        fuse(view.graph, nodes, "FusedAttention", inputs, [out], attrs)
+    except FusionError as e:
+        raise _Refuse(str(e)) from None
+    result.fused += 1
+
+
+def _with_constants(view: _View, nodes: list[Node], keep: list[Value | None]) -> list[Node]:
+    """Add the constant subgraphs read only inside `nodes` (scales, fills, causal masks) to the match.
+
+    `keep` are the fused node's inputs, which must stay outside.
+    """
+    inside = {id(n) for n in nodes}
+    kept = {id(v) for v in keep if v is not None}
+    out = list(nodes)
+    for n in out:  # grows while iterating: a breadth-first walk up the constant producers
+        for v in n.inputs:
+            p = view.producer(v)
+            if p is None or id(p) in inside or id(v) in kept or p.op not in EVALUATORS:
+                continue
+            if any(view.is_output(o) or any(id(u) not in inside for u in view.users(o)) for o in p.outputs):
+                continue
+            if view.const(v) is not None:
+                inside.add(id(p))
+                out.append(p)
+    return out
+
+
+def _output_scale(view: _View, out: Value) -> Node | None:
+    users = view.users(out)
+    if len(users) == 1 and users[0].op in ("Mul", "Div") and any(view.scalar(i) is not None for i in users[0].inputs):
+        return users[0]
+    return None
+
+
+# ---- masks ---------------------------------------------------------------------------------------
+def _causal_keep(c: np.ndarray, kind: str, sq: object, skv: object) -> bool:
+    """Whether constant mask `c` (of `kind`) keeps exactly the top-left causal pattern for (sq, skv)."""
+    if not isinstance(sq, int) or not isinstance(skv, int) or c.ndim < 2 or c.shape[-2:] != (sq, skv):
+        return False
+    planes = c.reshape(-1, sq, skv)
+    if not np.all(planes == planes[:1]):
+        return False
+    plane = planes[0]
+    if kind == "add":
+        keep, drop = plane == 0, plane <= NEG_FILL
+        if not np.all(keep | drop):
+            return False
+    else:
+        keep = plane.astype(bool) if kind == "keep" else ~plane.astype(bool)
+    return bool(np.array_equal(keep, np.tril(np.ones((sq, skv), dtype=bool))))
+
+
+def _broadcasts(mask: Value, target: tuple[object, ...]) -> bool:
+    if mask.shape is None:
+        return True
+    if len(mask.shape) > len(target):
+        return False
+    for d, t in zip(reversed(mask.shape), reversed(target), strict=False):
+        if d == 1 or d is None or t is None or d == t:
+            continue
+        return False
+    return True
+
+
+def _resolve_masks(view: _View, masks: list[tuple[str, Value]], scores: Value) -> tuple[int, Value | None]:
+    """Turn the collected mask terms ("add", "keep" or "drop", value) into (causal, mask input)."""
+    shape = scores.shape or (None,) * 4
+    sq, skv = shape[-2], shape[-1]
+    causal, mask = 0, None
+    for kind, m in masks:
+        c = view.const(m)
+        if c is not None and _causal_keep(c, kind, sq, skv):
+            causal = 1
+            continue
+        if kind == "drop":
+            p = view.producer(m)
+            if c is not None:
+                m = Value(view.graph.fresh_name(f"{m.name}_keep"), "bool", m.shape, const=~c.astype(bool))
+            elif p is not None and p.op == "Not":
+                m = p.inputs[0]
+            else:
+                raise _Refuse(f"Where keeps the scores where {m.name} is False: needs an inverted bool mask")
+        if mask is not None:
+            raise _Refuse(f"more than one non-causal mask ({mask.name}, {m.name}); FusedAttention takes one")
+        if kind != "add" and m.dtype not in (None, "bool"):
+            raise _Refuse(f"Where condition {m.name} is {m.dtype}, not bool")
+        if not _broadcasts(m, tuple(shape)):
+            raise _Refuse(
+                f"mask {m.name} of shape {_shape_str(m)} does not broadcast to (B,H,Sq,Skv) {_shape_str(scores)}"
+            )
+        mask = m
+    return causal, mask
+
+
+# ---- decomposed attention (anchored at Softmax) ---------------------------------------------------
+def _leads_to_matmul(view: _View, v: Value | None, depth: int = 8) -> bool:
+    p = view.producer(v)
+    if p is None or depth == 0:
+        return False
+    if p.op == "MatMul":
+        return True
+    return p.op in CHAIN_OPS and any(_leads_to_matmul(view, i, depth - 1) for i in p.inputs[:3] if i is not None)
+
+
+def _dropout_training(n: Node, view: _View) -> bool | None:
+    """None: not a dropout; else whether it is active (training mode with p > 0)."""
+    if n.op == "Dropout":
+        mode = n.attrs.get("training_mode")
+        if mode is None and len(n.inputs) > 2 and n.inputs[2] is not None:
+            c = view.const(n.inputs[2])
+            mode = True if c is None else bool(c)
+        ratio = n.attrs.get("ratio")
+        if ratio is None and len(n.inputs) > 1 and n.inputs[1] is not None:
+            ratio = view.scalar(n.inputs[1])
+        return bool(mode) and ratio != 0
+    if n.op in ("aten::dropout", "aten::native_dropout", "aten::feature_dropout"):
+        return bool(n.attrs.get("train", n.attrs.get("training", True))) and n.attrs.get("p", 1) != 0
+    return None
+
+
+def _probs_chain(view: _View, sm: Node) -> tuple[Node, list[Node]]:
+    """From the softmax output forward to the ·V MatMul: (MatMul, absorbed nodes)."""
+    cur, nodes = sm.outputs[0], []
+    while True:
+        users = view.users(cur)
+        pv = [u for u in users if u.op == "MatMul" and u.inputs[0] is cur]
+        if len(users) != 1 or view.is_output(cur):
+            if pv or any(u.op in ("Cast", "Identity", "Dropout") for u in users):
+                who = next((u.name for u in users if u not in pv), "the graph output")
+                raise _Refuse(f"attention probabilities {cur.name} are also used by {who}")
+            raise _Miss
+        u = users[0]
+        if pv:
+            return u, nodes
+        training = _dropout_training(u, view)
+        if training:
+            raise _Refuse(f"dropout {u.name} is active (training mode) between softmax and ·V")
+        if training is None and u.op not in ("Cast", "Identity") and u.op not in PASS_THROUGH:
+            nxt = view.users(u.outputs[0]) if u.outputs else []
+            if any(n.op == "MatMul" and n.inputs[0] is u.outputs[0] for n in nxt):
+                raise _Refuse(f"{u.op} {u.name} between softmax and the ·V MatMul (e.g. a mask added after softmax)")
+            raise _Miss
+        nodes.append(u)
+        cur = u.outputs[0]
+
+
+def _scores_chain(view: _View, sm: Node) -> tuple[Node, list[Node], list[tuple[str, Value]], float | None]:
+    """From the softmax input back to Q·K^T: (MatMul, absorbed nodes, mask terms, scale or None)."""
+    cur, consumer = sm.inputs[0], sm
+    nodes: list[Node] = []
+    masks: list[tuple[str, Value]] = []
+    scale: float | None = None
+    while True:
+        p = view.producer(cur)
+        if p is None:
+            raise _Miss
+        if not view.only_user(cur, consumer):
+            raise _Refuse(f"attention scores {cur.name} are also used by {view.other_user(cur, consumer)}")
+        nodes.append(p)
+        if p.op == "MatMul":
+            return p, nodes, masks, scale
+        if p.op in ("Cast", "Identity"):
+            nxt = p.inputs[0]
+        elif p.op == "Add":
+            lead = [_leads_to_matmul(view, i) for i in p.inputs]
+            if lead[0] == lead[1]:
+                raise _Refuse(f"cannot tell the scores from the mask in {p.name}: both or neither come from a MatMul")
+            nxt, m = (p.inputs[0], p.inputs[1]) if lead[0] else (p.inputs[1], p.inputs[0])
+            if scale is not None and not _causal_const(view, m, cur):
+                raise _Refuse(f"the scale is applied after the mask {m.name}, which it would scale too")
+            masks.append(("add", m))
+        elif p.op == "Where":
+            cond, a, b = p.inputs
+            fa, fb = view.scalar(a), view.scalar(b)
+            if fb is not None and _leads_to_matmul(view, a):
+                nxt, fill, kind = a, fb, "keep"
+            elif fa is not None and _leads_to_matmul(view, b):
+                nxt, fill, kind = b, fa, "drop"
+            else:
+                raise _Refuse(f"Where {p.name} does not select between the scores and a constant fill")
+            if fill > NEG_FILL:
+                raise _Refuse(f"Where {p.name} fills masked scores with {fill}, not -inf (or a large negative)")
+            masks.append((kind, cond))
+        elif p.op in ("Mul", "Div"):
+            c, nxt = view.scalar(p.inputs[1]), p.inputs[0]
+            if c is None and p.op == "Mul":
+                c, nxt = view.scalar(p.inputs[0]), p.inputs[1]
+            if c is None or c == 0:
+                raise _Refuse(f"{p.op} {p.name} on the scores is not by a constant scalar")
+            scale = (1.0 if scale is None else scale) * (c if p.op == "Mul" else 1.0 / c)
+        else:
+            raise _Refuse(f"unsupported {p.op} {p.name} between Q·K^T and softmax")
+        cur, consumer = nxt, p
+
+
+def _causal_const(view: _View, m: Value, scores: Value) -> bool:
+    c = view.const(m)
+    shape = scores.shape or (None, None)
+    return c is not None and _causal_keep(c, "add", shape[-2], shape[-1])
+
+
+def _match_softmax(view: _View, sm: Node) -> _Match:
+    if not _leads_to_matmul(view, sm.inputs[0]):
+        raise _Miss
+    pv, post = _probs_chain(view, sm)
+    rank = sm.inputs[0].rank
+    if rank is not None and rank < 3:
+        raise _Miss  # no heads: a classifier head, not attention
+    axis = sm.attrs.get("axis", -1)
+    if rank is None or norm_axis(int(axis), rank) != rank - 1:
+        raise _Refuse(f"softmax over axis {axis}, not the last (key) axis")
+    if rank != 4:
+        raise _Refuse(f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)")
+    qk, pre, masks, scale = _scores_chain(view, sm)
+    causal, mask = _resolve_masks(view, masks, qk.outputs[0])
+    return _Match(
+        nodes=[*pre, sm, *post, pv],
+        q=_peel(view, qk.inputs[0], qk, allow_scale=True),
+        k=_peel(view, qk.inputs[1], qk, allow_scale=True),
+        v=_peel(view, pv.inputs[1], pv, allow_scale=False),
+        out=pv.outputs[0], scale=scale, causal=causal, mask=mask, k_transposed=True,
+    )
+
+
+# ---- canonical ScaledDotProductAttention ------------------------------------------------------------
+def _match_sdpa(view: _View, n: Node) -> _Match:
+    q, k, v, mask = [*n.inputs, None, None][:4]
+    if float(n.attrs.get("dropout_p", 0.0) or 0.0) > 0:
+        raise _Refuse(f"dropout_p={n.attrs['dropout_p']} (training) in {n.name}")
+    scale = n.attrs.get("scale") or 0.0
+    causal = int(bool(n.attrs.get("is_causal", 0)))
+    if mask is not None and q.shape is not None and k.shape is not None and q.rank == 4:
+        scores = Value("scores", None, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        c_causal, mask = _resolve_masks(view, [("keep" if mask.dtype == "bool" else "add", mask)], scores)
+        causal |= c_causal
+    return _Match(
+        nodes=[n],
+        q=_peel(view, q, n, allow_scale=False),
+        k=_peel(view, k, n, allow_scale=False),
+        v=_peel(view, v, n, allow_scale=False),
+        out=n.outputs[0], scale=float(scale) if scale > 0 else None, causal=causal, mask=mask,
+        k_transposed=False,
+    )
+
+
+@register("attention", fusion=True)
+def fuse_attention(graph: Graph, result: PassResult) -> None:
+    """Fuse every decomposed or canonical scaled-dot-product attention into FusedAttention."""
+    anchors = [n for n in graph.nodes if n.op in ("Softmax", "ScaledDotProductAttention") and not n.domain]
+    for anchor in anchors:
+        if not any(n is anchor for n in graph.nodes):
+            continue
+        view = _View(graph)
+        try:
+            m = _match_softmax(view, anchor) if anchor.op == "Softmax" else _match_sdpa(view, anchor)
+            _fuse_match(view, m, result, anchor)
+        except _Miss:
+            continue
+        except _Refuse as e:
+            result.refuse(anchor, str(e))

@@ -1,0 +1,497 @@
+"""Attention fusion on hand-built IR graphs: every form fires, every near miss is refused with its reason,
+and the fused node's reference matches the original subgraph evaluated with torch.
+
+Graphs are built eagerly (`_Builder` runs each op with torch as it is added), so every Value has its
+real shape and the original outputs are known before the pass rewrites the graph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tkopt.passes.attention import fuse_attention
+from tkopt.passes.base import PassResult
+
+from tkopt.fused_ops import run_reference
+from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bool: "bool", torch.int64: "int64"}
+TORCH = {v: k for k, v in DTYPES.items()}
+NEG_INF = float("-inf")
+
+
+def _expand(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    return torch.broadcast_to(x, torch.broadcast_shapes(x.shape, tuple(shape)))
+
+
+def _unsqueeze(x: torch.Tensor, axes: list[int]) -> torch.Tensor:
+    for a in sorted(a + x.dim() + len(axes) if a < 0 else a for a in axes):
+        x = x.unsqueeze(a)
+    return x
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, **a: Any):
+    scale = a.get("scale", 0.0)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=bool(a.get("is_causal", 0)), scale=scale or None,
+        enable_gqa=bool(a.get("enable_gqa", 0)),
+    )
+
+
+OPS: dict[str, Callable[..., torch.Tensor]] = {
+    "MatMul": lambda a, b, **_: a @ b,
+    "Transpose": lambda x, perm, **_: x.permute(*perm),
+    "Add": lambda a, b, **_: a + b,
+    "Sub": lambda a, b, **_: a - b,
+    "Mul": lambda a, b, **_: a * b,
+    "Div": lambda a, b, **_: a / b,
+    "Where": lambda c, a, b, **_: torch.where(c, a, b),
+    "Not": lambda x, **_: ~x,
+    "Softmax": lambda x, axis=-1, **_: torch.softmax(x, axis),
+    "Cast": lambda x, to, **_: x.to(TORCH[to]),
+    "Identity": lambda x, **_: x,
+    "Dropout": lambda x, *rest, **_: x,
+    "Unsqueeze": lambda x, axes, **_: _unsqueeze(x, axes),
+    "Expand": lambda x, shape, **_: _expand(x, shape),
+    "Reshape": lambda x, shape, **_: x.reshape(shape),
+    "Tile": lambda x, repeats, **_: x.repeat(*repeats),
+    "Constant": lambda value, **_: torch.from_numpy(np.asarray(value)),
+    "aten::repeat_interleave": lambda x, repeats, dim, **_: x.repeat_interleave(repeats, dim),
+    "ScaledDotProductAttention": _sdpa,
+}
+
+
+def _run(node: Node, ins: list[torch.Tensor | None]) -> torch.Tensor:
+    if node.domain == FUSED_DOMAIN:
+        return run_reference(node.op, ins, node.attrs)[0]
+    if node.op == "Constant":
+        return OPS["Constant"](**node.attrs)
+    return OPS[node.op](*[t for t in ins], **node.attrs)
+
+
+def evaluate(graph: Graph, feeds: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    env = dict(feeds)
+    for n in graph.nodes:
+        ins = [None if v is None else env[id(v)] if id(v) in env else torch.from_numpy(v.const) for v in n.inputs]
+        env[id(n.outputs[0])] = _run(n, ins)
+    return [env[id(v)] for v in graph.outputs]
+
+
+class _Builder:
+    """Builds a Graph while computing every value with torch (shapes come from the real tensors)."""
+
+    def __init__(self) -> None:
+        self.g = Graph("t")
+        self.env: dict[int, torch.Tensor] = {}
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _value(self, name: str, t: torch.Tensor, const: bool = False) -> Value:
+        v = Value(self.g.reserve(name), DTYPES[t.dtype], tuple(t.shape), const=t.numpy() if const else None)
+        self.env[id(v)] = t
+        return v
+
+    def input(self, name: str, *shape: int) -> Value:
+        v = self._value(name, torch.randn(*shape, generator=self.gen))
+        self.g.inputs.append(v)
+        return v
+
+    def bool_input(self, name: str, *shape: int) -> Value:
+        t = torch.rand(*shape, generator=self.gen) > 0.3
+        t[..., 0] = True  # no fully masked row (those are NaN in torch, 0 in the reference)
+        v = self._value(name, t)
+        self.g.inputs.append(v)
+        return v
+
+    def const(self, name: str, data: Any) -> Value:
+        return self._value(name, torch.as_tensor(np.asarray(data)), const=True)
+
+    def op(self, op: str, *inputs: Value | None, **attrs: Any) -> Value:
+        ins = [None if v is None else self.env[id(v)] for v in inputs]
+        node = Node(op, list(inputs), [], attrs, name=self.g.fresh_name(op))
+        out = self._value(self.g.fresh_name(op.lower().replace("::", "_")), _run(node, ins))
+        node.outputs.append(out)
+        self.g.add_node(node)
+        return out
+
+    def constant_node(self, data: Any) -> Value:
+        return self.op("Constant", value=np.asarray(data, dtype=np.float32))
+
+    def run(self, *outputs: Value) -> tuple[PassResult, list[Node]]:
+        """Fuse, then check the rewritten graph computes what the original did."""
+        self.g.outputs = list(outputs)
+        want = [self.env[id(v)] for v in outputs]
+        result = PassResult("attention")
+        fuse_attention(self.g, result)
+        got = evaluate(self.g, {id(v): self.env[id(v)] for v in self.g.inputs})
+        for w, o in zip(want, got, strict=True):
+            torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-5)
+        return result, [n for n in self.g.nodes if n.op == "FusedAttention"]
+
+
+# ---- building blocks -----------------------------------------------------------------------------
+B, H, D = 2, 4, 8
+
+
+def _qkv(b: _Builder, sq: int = 13, skv: int | None = None, hkv: int = H, dv: int = D) -> tuple[Value, Value, Value]:
+    skv = sq if skv is None else skv
+    return b.input("q", B, H, sq, D), b.input("k", B, hkv, skv, D), b.input("v", B, hkv, skv, dv)
+
+
+def _attend(b: _Builder, scores: Value, v: Value, axis: int = -1) -> Value:
+    return b.op("MatMul", b.op("Softmax", scores, axis=axis), v)
+
+
+def _scores(b: _Builder, q: Value, k: Value) -> Value:
+    return b.op("MatMul", q, b.op("Transpose", k, perm=[0, 1, 3, 2]))
+
+
+def _one(result: PassResult, fused: list[Node], **attrs: Any) -> Node:
+    assert result.fused == 1 and len(fused) == 1, result.refusals
+    node = fused[0]
+    for key, want in attrs.items():
+        got = node.attrs[key]
+        assert (math.isclose(got, want, rel_tol=1e-6) if isinstance(want, float) else got == want), (key, got)
+    return node
+
+
+def _refused(result: PassResult, fused: list[Node], reason: str) -> None:
+    assert result.fused == 0 and not fused
+    assert any(reason in r.reason for r in result.refusals), [r.reason for r in result.refusals]
+
+
+# ---- forms that fire -----------------------------------------------------------------------------
+def test_div_after_qk_bhsd() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    out = _attend(b, b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D)))), v)
+    node = _one(*b.run(out), scale=1 / math.sqrt(D), causal=0, layout="bhsd")
+    assert node.inputs == [q, k, v, None]
+    assert [n.op for n in b.g.nodes] == ["FusedAttention"]
+
+
+def test_mul_after_qk_cross_lengths_padding_mask() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=7, skv=19, dv=5)
+    mask = b.input("mask", B, 1, 1, 19)
+    s = b.op("Mul", _scores(b, q, k), b.constant_node(0.3))
+    node = _one(*b.run(_attend(b, b.op("Add", s, mask), v)), scale=0.3)
+    assert node.inputs[3] is mask
+
+
+def test_no_scale_means_one() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    _one(*b.run(_attend(b, _scores(b, q, k), v)), scale=1.0)
+
+
+def test_scale_on_q_before() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    qs = b.op("Mul", q, b.const("c", np.float32(0.25)))
+    node = _one(*b.run(_attend(b, _scores(b, qs, k), v)), scale=0.25)
+    assert node.inputs[0] is q
+
+
+def test_sqrt_scale_on_q_and_kt_dynamo_sdpa_form() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=5, skv=17)
+    c = b.const("sqrt_scale", np.float32(math.sqrt(1 / math.sqrt(D))))
+    kt = b.op("Mul", b.op("Transpose", k, perm=[0, 1, 3, 2]), c)
+    scores = b.op("MatMul", b.op("Mul", q, c), kt)
+    out = b.op("MatMul", b.op("Dropout", b.op("Softmax", scores, axis=-1)), v)
+    node = _one(*b.run(out), scale=1 / math.sqrt(D))
+    assert node.inputs[:3] == [q, k, v]
+
+
+@pytest.mark.parametrize("fill", [NEG_INF, float(np.finfo(np.float32).min)])
+def test_causal_additive_constant(fill: float) -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=21)
+    causal = np.triu(np.full((21, 21), fill, np.float32), 1)
+    causal[np.tril_indices(21)] = 0.0
+    s = b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D))))
+    node = _one(*b.run(_attend(b, b.op("Add", s, b.const("causal", causal[None, None])), v)), causal=1)
+    assert node.inputs[3] is None
+
+
+def test_causal_where_tril_buffer_plus_padding_mask_gpt2_form() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=11)
+    tril = b.const("bias", np.tril(np.ones((11, 11), bool))[None, None])
+    pad = b.input("pad", B, 1, 1, 11)
+    s = b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D))))
+    s = b.op("Where", tril, s, b.const("minval", np.float32(np.finfo(np.float32).min)))
+    node = _one(*b.run(_attend(b, b.op("Add", s, pad), v)), causal=1)
+    assert node.inputs[3] is pad
+
+
+def test_causal_from_computed_constant_is_absorbed() -> None:
+    """A causal mask computed from constants (too large for canonicalize to fold) is evaluated, not read."""
+    b = _Builder()
+    q, k, v = _qkv(b, sq=9)
+    ones = b.const("ones", np.ones((9, 9), bool))
+    keep = b.op("Unsqueeze", b.op("Not", b.op("Not", b.const("tril", np.tril(np.ones((9, 9), bool))))), axes=[0, 1])
+    keep = b.op("Where", ones, keep, ones)
+    s = b.op("Where", keep, _scores(b, q, k), b.const("ninf", np.float32(NEG_INF)))
+    _one(*b.run(_attend(b, s, v)), causal=1)
+    assert [n.op for n in b.g.nodes] == ["FusedAttention"]
+
+
+def test_not_causal_constant_stays_a_mask() -> None:
+    """Bottom-right (KV-cache style) causal is not top-left causal: it becomes the mask input."""
+    b = _Builder()
+    q, k, v = _qkv(b, sq=4, skv=10)
+    keep = b.const("keep", np.tril(np.ones((4, 10), bool), 6))
+    s = b.op("Where", keep, _scores(b, q, k), b.const("ninf", np.float32(NEG_INF)))
+    node = _one(*b.run(_attend(b, s, v)), causal=0)
+    assert node.inputs[3] is keep
+
+
+def test_bool_mask_where() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=6, skv=15)
+    cond = b.bool_input("cond", B, 1, 6, 15)
+    s = b.op("Where", cond, _scores(b, q, k), b.const("ninf", np.float32(NEG_INF)))
+    node = _one(*b.run(_attend(b, s, v)))
+    assert node.inputs[3] is cond
+
+
+def test_masked_fill_form_takes_the_un_negated_mask() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    keep = b.bool_input("keep", B, 1, 1, 13)
+    s = b.op("Where", b.op("Not", keep), b.const("ninf", np.float32(NEG_INF)), _scores(b, q, k))
+    node = _one(*b.run(_attend(b, s, v)))
+    assert node.inputs[3] is keep
+
+
+def test_casts_around_softmax_llama_form() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Cast", b.op("Mul", _scores(b, q, k), b.const("c", np.float32(0.125))), to="float64")
+    p = b.op("Cast", b.op("Softmax", s, axis=3), to="float32")
+    _one(*b.run(b.op("MatMul", p, v)), scale=0.125)
+
+
+def _bshd(b: _Builder, sq: int = 10, skv: int | None = None, hkv: int = H) -> tuple[Value, Value, Value]:
+    skv = sq if skv is None else skv
+    return b.input("q", B, sq, H, D), b.input("k", B, skv, hkv, D), b.input("v", B, skv, hkv, D)
+
+
+def test_bshd_direct_k_perm() -> None:
+    b = _Builder()
+    q, k, v = _bshd(b, sq=10, skv=23)
+    s = b.op("MatMul", b.op("Transpose", q, perm=[0, 2, 1, 3]), b.op("Transpose", k, perm=[0, 2, 3, 1]))
+    o = _attend(b, b.op("Mul", s, b.const("c", np.float32(0.2))), b.op("Transpose", v, perm=[0, 2, 1, 3]))
+    out = b.op("Reshape", b.op("Transpose", o, perm=[0, 2, 1, 3]), shape=[B, 10, H * D])
+    node = _one(*b.run(out), layout="bshd", scale=0.2)
+    assert node.inputs[:3] == [q, k, v]
+    assert [n.op for n in b.g.nodes] == ["FusedAttention", "Reshape"]
+
+
+def test_bshd_composed_k_transposes() -> None:
+    b = _Builder()
+    q, k, v = _bshd(b)
+    kt = b.op("Transpose", b.op("Transpose", k, perm=[0, 2, 1, 3]), perm=[0, 1, 3, 2])
+    s = b.op("MatMul", b.op("Transpose", q, perm=[0, 2, 1, 3]), kt)
+    o = _attend(b, s, b.op("Transpose", v, perm=[0, 2, 1, 3]))
+    node = _one(*b.run(b.op("Transpose", o, perm=[0, 2, 1, 3])), layout="bshd")
+    assert node.inputs[:3] == [q, k, v]
+
+
+def test_bshd_transpose_used_elsewhere_falls_back_to_bhsd() -> None:
+    """The K cache (B,H,S,D) is also returned (GPT-2 `present`): that transpose stays, layout bhsd."""
+    b = _Builder()
+    q, k, v = _bshd(b)
+    kb = b.op("Transpose", k, perm=[0, 2, 1, 3])
+    s = b.op("MatMul", b.op("Transpose", q, perm=[0, 2, 1, 3]), b.op("Transpose", kb, perm=[0, 1, 3, 2]))
+    o = _attend(b, s, b.op("Transpose", v, perm=[0, 2, 1, 3]))
+    out = b.op("Transpose", o, perm=[0, 2, 1, 3])
+    node = _one(*b.run(out, kb), layout="bhsd")
+    assert node.inputs[1] is kb
+
+
+def _repeat_kv(b: _Builder, x: Value, g: int) -> Value:
+    """HF repeat_kv: x[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv * g, S, D)."""
+    bb, hkv, s, d = x.shape  # type: ignore[misc]
+    e = b.op("Expand", b.op("Unsqueeze", x, axes=[2]), shape=[bb, hkv, g, s, d])
+    return b.op("Reshape", e, shape=[bb, hkv * g, s, d])
+
+
+def test_gqa_expand_reshape_llama_form() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=7, skv=7, hkv=2)
+    s = b.op("Mul", _scores(b, q, _repeat_kv(b, k, 2)), b.const("c", np.float32(1 / math.sqrt(D))))
+    mask = b.input("mask", B, 1, 7, 7)
+    node = _one(*b.run(_attend(b, b.op("Add", s, mask), _repeat_kv(b, v, 2))))
+    assert node.inputs == [q, k, v, mask]
+    assert k.shape[1] == 2
+
+
+def test_gqa_repeat_interleave_fx_form() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=9, skv=14, hkv=1)
+    kr = b.op("aten::repeat_interleave", k, repeats=4, dim=1)
+    vr = b.op("aten::repeat_interleave", v, repeats=4, dim=1)
+    node = _one(*b.run(_attend(b, _scores(b, q, kr), vr)))
+    assert node.inputs[:3] == [q, k, v]
+
+
+def test_sdpa_canonical_node() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=6, skv=11)
+    mask = b.input("mask", B, 1, 6, 11)
+    out = b.op("ScaledDotProductAttention", q, k, v, mask, scale=0.0, is_causal=0, enable_gqa=0)
+    node = _one(*b.run(out), scale=0.0, causal=0, layout="bhsd")
+    assert node.inputs == [q, k, v, mask]
+
+
+def test_sdpa_bshd_gqa_causal() -> None:
+    b = _Builder()
+    q, k, v = _bshd(b, sq=17, hkv=2)
+    t = [b.op("Transpose", x, perm=[0, 2, 1, 3]) for x in (q, k, v)]
+    o = b.op("ScaledDotProductAttention", *t, None, scale=0.5, is_causal=1, enable_gqa=1)
+    node = _one(*b.run(b.op("Transpose", o, perm=[0, 2, 1, 3])), scale=0.5, causal=1, layout="bshd")
+    assert node.inputs == [q, k, v, None]
+
+
+def test_sdpa_bool_mask() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=5, skv=13)
+    mask = b.bool_input("mask", 5, 13)
+    node = _one(*b.run(b.op("ScaledDotProductAttention", q, k, v, mask)))
+    assert node.inputs[3] is mask
+
+
+# ---- near misses ---------------------------------------------------------------------------------
+def test_refuse_k_not_transposed() -> None:
+    b = _Builder()
+    q, _, v = _qkv(b)
+    kt = b.input("kt", B, H, D, 13)  # already (B,H,D,S): there is no K to give the kernel
+    _refused(*b.run(_attend(b, b.op("MatMul", q, kt), v)), "not a swap of its last two axes")
+
+
+@pytest.mark.parametrize(("perm", "shape"), [([0, 3, 1, 2], (B, D, 13, H)), ([1, 0, 3, 2], (H, B, 13, D))])
+def test_refuse_k_other_permutation(perm: list[int], shape: tuple[int, ...]) -> None:
+    b = _Builder()
+    q, _, v = _qkv(b)
+    kt = b.op("Transpose", b.input("kx", *shape), perm=perm)
+    _refused(*b.run(_attend(b, b.op("MatMul", q, kt), v)), f"net permutations from its producers: [0, 1, 2, 3], {perm}")
+
+
+def test_refuse_softmax_other_axis() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    _refused(*b.run(_attend(b, _scores(b, q, k), v, axis=2)), "softmax over axis 2, not the last")
+
+
+def test_refuse_mask_after_softmax() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    p = b.op("Add", b.op("Softmax", _scores(b, q, k), axis=-1), b.input("mask", B, 1, 13, 13))
+    _refused(*b.run(b.op("MatMul", p, v)), "a mask added after softmax")
+
+
+def test_refuse_scale_on_v() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    vs = b.op("Mul", v, b.const("c", np.float32(0.35)))
+    _refused(*b.run(_attend(b, _scores(b, q, k), vs)), "scale applied to V or the output")
+
+
+def test_refuse_scale_on_output() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    out = b.op("Div", _attend(b, _scores(b, q, k), v), b.const("c", np.float32(2.8)))
+    _refused(*b.run(out), "scale applied to V or the output")
+
+
+def test_refuse_scores_used_elsewhere() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Mul", _scores(b, q, k), b.const("c", np.float32(0.3)))
+    _refused(*b.run(_attend(b, s, v), s), f"attention scores {s.name} are also used by the graph output")
+
+
+def test_refuse_probs_returned() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    p = b.op("Softmax", _scores(b, q, k), axis=-1)
+    _refused(*b.run(b.op("MatMul", p, v), p), f"attention probabilities {p.name} are also used")
+
+
+def test_refuse_mask_not_broadcastable() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=1, skv=13)  # a (13, 1) mask broadcasts the scores up to (B, H, 13, 13)
+    s = b.op("Add", _scores(b, q, k), b.input("mask", 13, 1))
+    _refused(*b.run(_attend(b, s, v)), "does not broadcast to (B,H,Sq,Skv)")
+
+
+def test_refuse_training_dropout() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    p = b.op("Softmax", _scores(b, q, k), axis=-1)
+    d = b.op("Dropout", p, b.const("ratio", np.float32(0.1)), b.const("train", np.array(True)))
+    _refused(*b.run(b.op("MatMul", d, v)), "active (training mode)")
+
+
+def test_refuse_sdpa_dropout() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    node_out = b.op("ScaledDotProductAttention", q, k, v, None, is_causal=1)
+    b.g.nodes[-1].attrs["dropout_p"] = 0.1
+    _refused(*b.run(node_out), "dropout_p=0.1")
+
+
+def test_refuse_where_fill_not_negative_infinity() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Where", b.bool_input("c", B, 1, 1, 13), _scores(b, q, k), b.const("zero", np.float32(0)))
+    _refused(*b.run(_attend(b, s, v)), "fills masked scores with 0.0")
+
+
+def test_refuse_two_masks() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Add", b.op("Add", _scores(b, q, k), b.input("m1", B, 1, 1, 13)), b.input("m2", 1, 1, 13, 13))
+    _refused(*b.run(_attend(b, s, v)), "more than one non-causal mask")
+
+
+def test_refuse_scale_after_additive_mask() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Mul", b.op("Add", _scores(b, q, k), b.input("m", B, 1, 1, 13)), b.const("c", np.float32(0.3)))
+    _refused(*b.run(_attend(b, s, v)), "scale is applied after the mask")
+
+
+@pytest.mark.parametrize("form", ["tile", "expand_tile_order"])
+def test_gqa_tile_semantics_not_absorbed(form: str) -> None:
+    """Tile order (h reads h % Hkv) is not GQA: refused as such; the repeated K/V are used as they are."""
+    b = _Builder()
+    q, k, v = _qkv(b, hkv=2)
+
+    def rep(x: Value) -> Value:
+        if form == "tile":
+            return b.op("Tile", x, repeats=[1, 2, 1, 1])
+        e = b.op("Expand", b.op("Unsqueeze", x, axes=[1]), shape=[B, 2, 2, 13, D])
+        return b.op("Reshape", e, shape=[B, 4, 13, D])
+
+    kr, vr = rep(k), rep(v)
+    result, fused = b.run(_attend(b, _scores(b, q, kr), vr))
+    node = _one(result, fused)
+    assert node.inputs[1] is kr and node.inputs[2] is vr
+    assert any("tile semantics" in r.reason for r in result.refusals)
+
+
+def test_not_attention_is_silent() -> None:
+    b = _Builder()
+    x = b.input("x", 3, 10)
+    out = b.op("MatMul", b.op("Softmax", b.op("MatMul", x, b.input("w", 10, 10)), axis=-1), b.input("w2", 10, 4))
+    result, fused = b.run(out)
+    assert result.fused == 0 and not result.refusals
