@@ -1,0 +1,90 @@
+"""Constant folding and no-op removal on hand-built graphs: what folds, what must not, same results."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tkopt.passes.canonicalize import FOLD_LIMIT, drop_identity, fold_constants
+
+from .ir_helpers import Builder, apply, ops
+
+
+def _i64(v) -> np.ndarray:
+    return np.asarray(v, dtype=np.int64)
+
+
+def test_shape_chain_folds_into_reshape_constant():
+    b = Builder()
+    x = b.input("x", (2, 3, 8))
+    s = b.op("Shape", x)
+    d0 = b.op("Gather", s, b.const(_i64(0), dtype=torch.int64), axis=0)
+    u = b.op("Unsqueeze", d0, axes=[0])
+    shape = b.op("Concat", u, b.const(_i64([-1]), dtype=torch.int64), axis=0)
+    g = b.output(b.op("Reshape", x, shape))
+    want = b.run()
+    r = apply(g, fold_constants)
+    assert ops(g) == ["Reshape"] and r.changed == 4
+    reshape = g.nodes[0]
+    assert reshape.inputs[1] is shape and shape.const.tolist() == [2, -1]
+    assert reshape.attrs["shape"] == [2, -1]  # the canonical attribute mirrors the now-constant input
+    assert torch.equal(b.run()[0], want[0])
+
+
+def test_shape_of_symbolic_dims_is_not_folded():
+    b = Builder()
+    x = b.input("x", (2, 3))
+    s = b.op("Shape", x)
+    g = b.output(b.op("Reshape", x, s))
+    x.shape = ("batch", 3)
+    assert apply(g, fold_constants).changed == 0
+    assert ops(g) == ["Shape", "Reshape"]
+
+
+def test_arithmetic_on_constants_folds_and_large_results_do_not():
+    b = Builder()
+    x = b.input("x", (4, 4))
+    half = b.op("Div", b.const(np.float32(1.0)), b.const(np.float32(2.0)))
+    big = b.op("Add", b.param(64, 64), b.param(64, 64))  # 4096 elements: a weight, not a shape
+    g = b.output(b.op("Mul", x, half), big)
+    assert 64 * 64 > FOLD_LIMIT
+    apply(g, fold_constants)
+    assert ops(g) == ["Add", "Mul"]
+    assert float(half.const) == 0.5 and half.dtype == "float32"
+
+
+def test_constant_node_becomes_const_value_but_graph_outputs_stay_produced():
+    b = Builder()
+    x = b.input("x", (3,))
+    c = b.op("Constant", value=np.array([1.0, 2.0, 3.0], np.float32))
+    c_out = b.op("Constant", value=np.array([5.0], np.float32))
+    g = b.output(b.op("Add", x, c), c_out)
+    apply(g, fold_constants)
+    assert sorted(ops(g)) == ["Add", "Constant"]
+    assert c.const.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_integer_division_truncates_like_onnx():
+    b = Builder()
+    x = b.input("x", (2,))
+    q = b.op("Cast", b.const(_i64([-7, 7]), dtype=torch.int64), to="int64")
+    d = b.op("Div", q, b.const(_i64(2), dtype=torch.int64))
+    g = b.output(b.op("Add", x, b.op("Cast", d, to="float32")))
+    apply(g, fold_constants)
+    assert d.const.tolist() == [-3, 3] and ops(g) == ["Add"]
+
+
+def test_identity_and_noop_cast_are_dropped_real_casts_kept():
+    b = Builder()
+    x = b.input("x", (2, 4))
+    i = b.op("Identity", x)
+    c = b.op("Cast", i, to="float32")  # no-op: already float32
+    h = b.op("Cast", c, to="float16")
+    y = b.op("Relu", b.op("Cast", h, to="float32"))
+    out_id = b.op("Identity", y)  # a graph output: keeps its producer so the output name survives
+    g = b.output(out_id)
+    want = b.run()
+    r = apply(g, drop_identity)
+    assert r.changed == 2
+    assert ops(g) == ["Cast", "Cast", "Relu", "Identity"]
+    assert g.nodes[0].inputs[0] is x
+    assert torch.equal(b.run()[0], want[0])
