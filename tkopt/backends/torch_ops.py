@@ -1,0 +1,111 @@
+"""The fused ops as torch custom ops (tkopt::fused_gemm, ...), so FX graphs can call them.
+
+Each op has explicit typed arguments (optional tensors, str/int/float attributes), a fake
+implementation that gives output shapes and dtypes without computing (so torch.export and
+torch.compile can trace through an optimized module, symbolic shapes included), and a real
+implementation. Every real body goes through `execute`, the single place that picks how a fused
+op runs: today the torch reference; later the TileLang kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tkopt import fused_ops
+
+Tensor = torch.Tensor
+
+
+def execute(op: str, inputs: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    """Run fused op `op` (a tkopt.fused_ops name) on real tensors. The one dispatch point."""
+    outs = fused_ops.run_reference(op, inputs, attrs)
+    # Custom ops must return fresh, contiguous tensors (the fake impls promise contiguous ones);
+    # a reference may hand back an input itself (e.g. FusedAddNorm's Sum without a residual).
+    ins = [t for t in inputs if t is not None]
+    fresh = torch.contiguous_format
+    return [o.clone(memory_format=fresh) if any(o is t for t in ins) else o.contiguous() for o in outs]
+
+
+def _empty(like: Tensor, shape: Sequence[Any]) -> Tensor:
+    return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+
+
+def _gemm_shape(a: Tensor, b: Tensor, trans_b: int) -> list[Any]:
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    if b.dim() == 2:
+        return [*a.shape[:-1], n]
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return [*batch, a.shape[-2], n]
+
+
+# ---- FusedGemm: Y = act(A @ B + bias) + residual ------------------------------------------------
+@torch.library.custom_op("tkopt::fused_gemm", mutates_args=())
+def fused_gemm(
+    A: Tensor, B: Tensor, bias: Tensor | None, residual: Tensor | None, trans_b: int, activation: str
+) -> Tensor:
+    return execute("FusedGemm", [A, B, bias, residual], {"trans_b": trans_b, "activation": activation})[0]
+
+
+@fused_gemm.register_fake
+def _(A: Tensor, B: Tensor, bias: Tensor | None, residual: Tensor | None, trans_b: int, activation: str) -> Tensor:
+    return _empty(A, _gemm_shape(A, B, trans_b))
+
+
+# ---- FusedGatedMLP: Y = act(X @ Wg + bg) * (X @ Wu + bu) ----------------------------------------
+@torch.library.custom_op("tkopt::fused_gated_mlp", mutates_args=())
+def fused_gated_mlp(
+    X: Tensor, W_gate: Tensor, W_up: Tensor, b_gate: Tensor | None, b_up: Tensor | None, trans_b: int,
+    activation: str,
+) -> Tensor:
+    attrs = {"trans_b": trans_b, "activation": activation}
+    return execute("FusedGatedMLP", [X, W_gate, W_up, b_gate, b_up], attrs)[0]
+
+
+@fused_gated_mlp.register_fake
+def _(
+    X: Tensor, W_gate: Tensor, W_up: Tensor, b_gate: Tensor | None, b_up: Tensor | None, trans_b: int,
+    activation: str,
+) -> Tensor:
+    return _empty(X, _gemm_shape(X, W_gate, trans_b))
+
+
+# ---- FusedAttention: O = softmax(Q K^T * scale + mask [causal]) V --------------------------------
+@torch.library.custom_op("tkopt::fused_attention", mutates_args=())
+def fused_attention(
+    Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str
+) -> Tensor:
+    return execute("FusedAttention", [Q, K, V, mask], {"scale": scale, "causal": causal, "layout": layout})[0]
+
+
+@fused_attention.register_fake
+def _(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str) -> Tensor:
+    return _empty(Q, [*Q.shape[:-1], V.shape[-1]])
+
+
+# ---- FusedAddNorm: (Norm(X + residual), X + residual) ---------------------------------------------
+@torch.library.custom_op("tkopt::fused_add_norm", mutates_args=())
+def fused_add_norm(
+    X: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, kind: str, epsilon: float
+) -> tuple[Tensor, Tensor]:
+    y, s = execute("FusedAddNorm", [X, residual, weight, bias], {"kind": kind, "epsilon": epsilon})
+    return y, s
+
+
+@fused_add_norm.register_fake
+def _(
+    X: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, kind: str, epsilon: float
+) -> tuple[Tensor, Tensor]:
+    shape = X.shape if residual is None else torch.broadcast_shapes(X.shape, residual.shape)
+    return _empty(X, shape), _empty(X, shape)
+
+
+# fused op name (tkopt.fused_ops) -> (custom op, its attribute names in signature order)
+CUSTOM_OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "FusedGemm": (torch.ops.tkopt.fused_gemm.default, ("trans_b", "activation")),
+    "FusedGatedMLP": (torch.ops.tkopt.fused_gated_mlp.default, ("trans_b", "activation")),
+    "FusedAttention": (torch.ops.tkopt.fused_attention.default, ("scale", "causal", "layout")),
+    "FusedAddNorm": (torch.ops.tkopt.fused_add_norm.default, ("kind", "epsilon")),
+}
