@@ -45,7 +45,7 @@ def _norm(n: Node, i: Sequence[T | None], rms: bool) -> T:
         y = y * i[1]
     if len(i) > 2 and i[2] is not None:
         y = y + i[2]
-    return y
+    return y.to(x.dtype)  # the canonical norms give X's dtype, whatever the parameters' dtype
 
 
 def _gemm(n: Node, i: Sequence[T | None]) -> T:
@@ -158,7 +158,7 @@ class Builder:
         return v
 
     def input(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Value:
-        t = torch.randn(*shape, generator=self._gen).to(dtype)
+        t = torch.randn(tuple(shape), generator=self._gen).to(dtype)
         v = self._value(name, t)
         self.graph.inputs.append(v)
         self.samples[name] = t
