@@ -136,7 +136,10 @@ def const_scalar(value: Value | None, g: Graph | GraphIndex | None = None) -> fl
     data = const_array(g, value)
     if data is None or data.size != 1:
         return None
-    return float(data.reshape(()))
+    scalar = data.reshape(())[()]
+    if isinstance(scalar, np.floating):  # float32 1e-6 reads as 1e-06, not 9.99999997e-07
+        return float(str(scalar))
+    return float(scalar)
 
 
 def close(got: float | None, want: float, rel: float = 1e-3, abs_tol: float = 1e-6) -> bool:
