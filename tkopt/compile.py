@@ -1,0 +1,153 @@
+"""`tkopt.compile`: export a module, fuse its graph, and hand back a module that runs the result.
+
+Shapes: the module is exported with every input dim `Dim.AUTO` (dynamic=True), so torch.export
+makes each dim symbolic unless the model pins it. A call whose inputs the exported program does
+not cover (a dim it specialised, e.g. a batch of 1 exported as static, another dtype, other
+non-tensor arguments) is re-exported and re-optimized for those inputs; each specialization is
+kept, and later calls pick the first one whose shape constraints they satisfy. With
+dynamic=False every new input signature gets its own static export. If the dynamic export fails,
+tkopt warns and exports statically.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.export import Dim
+
+from tkopt.backends.torch_module import to_torch_module
+from tkopt.frontends.fx import import_fx, node_val
+from tkopt.passes.pipeline import Report, run_passes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Specialization:
+    """One exported-and-optimized program and the inputs it accepts."""
+
+    module: fx.GraphModule
+    report: Report
+    in_spec: pytree.TreeSpec
+    inputs: list[Any]  # per flat input: its placeholder's example value (FakeTensor) or the constant
+    ranges: dict[sympy.Symbol, Any]
+
+    def accepts(self, spec: pytree.TreeSpec, flat: Sequence[Any]) -> bool:
+        if spec != self.in_spec or len(flat) != len(self.inputs):
+            return False
+        bound: dict[sympy.Symbol, int] = {}
+        derived: list[tuple[sympy.Expr, int]] = []
+        for x, ex in zip(flat, self.inputs, strict=True):
+            if not isinstance(ex, torch.Tensor):
+                if isinstance(x, torch.Tensor) or x != ex:
+                    return False
+                continue
+            if not isinstance(x, torch.Tensor) or x.dtype != ex.dtype or x.dim() != ex.dim():
+                return False
+            if x.device.type != ex.device.type:
+                return False
+            for got, want in zip(x.shape, ex.shape, strict=True):
+                if isinstance(want, int):
+                    if got != want:
+                        return False
+                    continue
+                expr = want.node.expr
+                if isinstance(expr, sympy.Symbol):
+                    if bound.setdefault(expr, got) != got:
+                        return False
+                else:
+                    derived.append((expr, got))
+        if any(int(expr.subs(bound)) != got for expr, got in derived):
+            return False
+        for sym, got in bound.items():
+            vr = self.ranges.get(sym)
+            if vr is not None and not (vr.lower <= got <= vr.upper):
+                return False
+        return True
+
+
+def _export(module: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torch.export.ExportedProgram:
+    if dynamic:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments  # export's own binding
+        shapes = {
+            name: pytree.tree_map(
+                lambda x: dict.fromkeys(range(x.dim()), Dim.AUTO) if isinstance(x, torch.Tensor) else None, value
+            )
+            for name, value in bound.items()
+        }
+        try:
+            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes)
+        except Exception as e:  # noqa: BLE001 - any export failure falls back to a static export
+            warnings.warn(f"tkopt.compile: dynamic export failed ({type(e).__name__}: {e}); exporting with static "
+                          "shapes (each new input shape will be re-exported)", stacklevel=3)
+    return torch.export.export(module, args, kwargs)
+
+
+class CompiledModule(nn.Module):
+    """Calls the optimized program matching the inputs; exports and optimizes a new one if none does."""
+
+    def __init__(self, module: nn.Module, disable: Iterable[str], dynamic: bool) -> None:
+        super().__init__()
+        self.module = module  # the eager original: what every new specialization is exported from
+        self.disable = tuple(disable)
+        self.dynamic = dynamic
+        self.specializations: list[Specialization] = []
+
+    @property
+    def tkopt_report(self) -> Report:
+        """The pass report of the latest optimized program."""
+        return self.specializations[-1].report
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The latest optimized program (re-exportable with torch.export)."""
+        return self.specializations[-1].module
+
+    def specialize(self, args: tuple, kwargs: dict) -> Specialization:
+        ep = _export(self.module, args, kwargs, self.dynamic)
+        graph = import_fx(ep)
+        report = run_passes(graph, self.disable)
+        gm = to_torch_module(graph)
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        examples = [node_val(p) if isinstance(x, torch.Tensor) else x for p, x in zip(placeholders, flat, strict=True)]
+        ranges = ep.range_constraints if self.dynamic else {}
+        entry = Specialization(gm, report, spec, examples, ranges)
+        self.specializations.append(entry)
+        if len(self.specializations) > 1:
+            log.info("tkopt.compile: optimized specialization %d for a new input signature", len(self.specializations))
+        return entry
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        for entry in self.specializations:
+            if entry.accepts(spec, flat):
+                return entry.module(*args, **kwargs)
+        return self.specialize(args, kwargs).module(*args, **kwargs)
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile
+    module: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    disable: Iterable[str] = (),
+    dynamic: bool = True,
+) -> CompiledModule:
+    """Export `module` with `example_inputs`, fuse, and return a module with the same call signature.
+
+    `disable` names passes to skip (tkopt.passes.pipeline.pass_names()). The result has
+    `.tkopt_report` (what the passes did) and `.graph_module` (the optimized fx.GraphModule).
+    """
+    compiled = CompiledModule(module, disable, dynamic)
+    args = tuple(example_inputs)
+    compiled.specialize(args, {})
+    return compiled
