@@ -6,31 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-
-class Block(nn.Module):
-    """Linear -> LayerNorm -> GELU -> reshape/mean, plus an unsqueeze: common ops of real exports."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 16)
-        self.norm = nn.LayerNorm(16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.gelu(self.norm(self.lin(x)))
-        return h.reshape(x.shape[0], -1, 4).mean(-1).unsqueeze(1)
-
-
-def export(module: nn.Module, path: Path, dynamo: bool, opset: int, x: torch.Tensor) -> Path:
-    torch.manual_seed(0)
-    if dynamo:
-        torch.onnx.export(module, (x,), str(path), dynamo=True, opset_version=opset, input_names=["x"],
-                          dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
-    else:
-        torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=opset, input_names=["x"],
-                          output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
-    return path
+from tests.onnx.exports import Block, export
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import Block, export
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.onnx.exports import Block, export
 from tkopt.frontends.onnx import ModelLoadError, import_onnx
 
 

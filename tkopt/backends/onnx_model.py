@@ -164,6 +164,14 @@ def _from_attrs(n: Node) -> onnx.NodeProto:
     return node
 
 
+def _rename(nodes: list[onnx.NodeProto], old: str, new: str) -> None:
+    for p in nodes:
+        for field in (p.input, p.output):
+            for i, name in enumerate(field):
+                if name == old:
+                    field[i] = new
+
+
 def _emit(n: Node, out: list[onnx.NodeProto]) -> None:
     if n.is_fused:
         out.append(_fused_node(n))
@@ -195,6 +203,8 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
         out_names = [v.name for v in graph.outputs]
     for name, v in zip(out_names, graph.outputs, strict=True):
         if v.name != name:
+            if name in produced:  # the old name now belongs to an inner value: give that one a new name
+                _rename(nodes, name, graph.fresh_name(name))
             nodes.append(helper.make_node("Identity", [v.name], [name], name=graph.fresh_name("output_alias")))
 
     used = {i for p in nodes for i in p.input} | {v.name for v in graph.outputs}
@@ -256,12 +266,15 @@ def check(model: onnx.ModelProto) -> None:
 
 
 # ---- saving -----------------------------------------------------------------------------------
-def save(model: onnx.ModelProto, path: str | Path, external_data: bool | None = None) -> Path:
+def save(
+    model: onnx.ModelProto, path: str | Path, external_data: bool | None = None, size_threshold: int = 1024
+) -> Path:
     """Write `model` atomically: all or nothing, model file and its external data file alike.
 
     `external_data=None` means: only when the model is 2 GB or more. The data goes to
-    `<name>.data` next to the model. Both files are written into a temporary directory beside the
-    target and moved into place with os.replace, so a failure leaves no half-written file.
+    `<name>.data` next to the model (tensors of `size_threshold` bytes or more). Both files are
+    written into a temporary directory beside the target and moved into place with os.replace, so
+    a failure leaves no half-written file.
     """
     path = Path(path)
     if external_data is None:
@@ -275,7 +288,7 @@ def save(model: onnx.ModelProto, path: str | Path, external_data: bool | None = 
             copy = onnx.ModelProto()
             copy.CopyFrom(model)  # save_model rewrites tensors to point at the data file
             onnx.save_model(copy, tmp_model, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=location, size_threshold=1024)
+                            location=location, size_threshold=size_threshold)
             if os.path.exists(os.path.join(tmp, location)):
                 os.replace(os.path.join(tmp, location), path.parent / location)
         else:

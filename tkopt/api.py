@@ -1,0 +1,138 @@
+"""tkopt's public Python API for ONNX models: optimize one, and check the fused model against the original."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from tkopt.backends.onnx_model import check, export_onnx, save
+from tkopt.frontends.onnx import DTYPES, import_onnx, load_model
+from tkopt.onnx_runtime_ref import has_fused_nodes, native_library, run_model
+from tkopt.passes.pipeline import run_passes
+from tkopt.report import DEFAULT_TOLERANCE, TOLERANCES, Accuracy, OutputError, Report
+
+ModelLike = str | Path | onnx.ModelProto
+
+
+class AccuracyError(RuntimeError):
+    """The fused model's outputs do not match the original's within tolerance."""
+
+
+def optimize_onnx(
+    model: ModelLike,
+    output: str | Path | None = None,
+    disable: Iterable[str] = (),
+    report: bool = True,
+    check_accuracy: bool = False,
+    verbose: bool = False,
+) -> tuple[onnx.ModelProto, Report]:
+    """Fuse `model` and return (optimized ModelProto, Report).
+
+    The result passes onnx.checker with full_check. With `check_accuracy`, fused and unfused
+    outputs are compared on random inputs (AccuracyError if they differ; nothing is saved then).
+    `output` is written atomically, with external data when the input had it or it is >= 2 GB.
+    `report` prints the report (rich) to the console.
+    """
+    graph = import_onnx(model)
+    ops_before = graph.count_ops()
+    passes = run_passes(graph, disable)
+    optimized = export_onnx(graph)
+    try:
+        check(optimized)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise RuntimeError(f"{graph.meta['source']}: the optimized model fails onnx.checker (a tkopt bug): {e}") from e
+    rep = Report(source=graph.meta["source"], passes=passes, ops_before=ops_before, ops_after=graph.count_ops())
+    if check_accuracy:
+        rep.accuracy = compare_onnx(graph.meta["onnx_model"], optimized)
+    if output is not None and (rep.accuracy is None or rep.accuracy.ok):
+        save(optimized, output, external_data=True if graph.meta["external_data"] else None)
+        rep.output = str(output)
+    if report:
+        rep.render(verbose=verbose)
+    if rep.accuracy is not None and not rep.accuracy.ok:
+        bad = [o.name for o in rep.accuracy.outputs if not o.ok]
+        raise AccuracyError(f"{rep.source}: fused outputs {bad} differ from the original beyond tolerance")
+    return optimized, rep
+
+
+def _dim_size(dim: int | str | None) -> int:
+    if isinstance(dim, int) and dim > 0:
+        return dim
+    return 2 if isinstance(dim, str) and "batch" in dim.lower() else 8
+
+
+def make_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs matching the model's input types; symbolic dims get small sizes (same name, same size).
+
+    Integer inputs are token ids in [0, 10), `*mask*` inputs are all ones with the last quarter of
+    each row zeroed (padding), `*position*` inputs count along the last axis.
+    """
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    out: dict[str, np.ndarray] = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = [_dim_size(d.dim_value if d.HasField("dim_value") else d.dim_param or None) for d in tt.shape.dim]
+        np_dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        name = vi.name.lower()
+        if "mask" in name:
+            arr = np.ones(shape, dtype=np_dtype)
+            if arr.ndim and shape[-1] > 1:
+                arr[..., shape[-1] - max(1, shape[-1] // 4):] = 0
+        elif "position" in name and np.issubdtype(np_dtype, np.integer):
+            arr = np.broadcast_to(np.arange(shape[-1] if shape else 1), shape).astype(np_dtype)
+        elif np.issubdtype(np_dtype, np.integer):
+            arr = rng.integers(0, 10, size=shape).astype(np_dtype)
+        elif np_dtype == np.bool_:
+            arr = rng.random(shape) > 0.2
+        else:
+            arr = rng.standard_normal(shape).astype(np_dtype)
+        out[vi.name] = arr
+    return out
+
+
+def _errors(name: str, got: np.ndarray, want: np.ndarray) -> OutputError:
+    dtype = DTYPES.get(onnx.helper.np_dtype_to_tensor_dtype(want.dtype), str(want.dtype))
+    tol = TOLERANCES.get(dtype, DEFAULT_TOLERANCE)
+    if got.shape != want.shape:
+        return OutputError(name, dtype, list(want.shape), float("inf"), float("inf"), tol)
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    both_nan = np.isnan(g) & np.isnan(w)
+    diff = np.where(both_nan, 0.0, np.abs(g - w))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.nanmax(np.abs(w))) if w.size and not np.all(np.isnan(w)) else 0.0
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return OutputError(name, dtype, list(want.shape), max_abs, max_rel, tol)
+
+
+def compare_onnx(
+    original: ModelLike,
+    optimized: ModelLike,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
+) -> Accuracy:
+    """Per-output max abs/rel error of the optimized (fused) model against the original run in ORT.
+
+    The fused model runs in ORT with the native tkopt op library when one is configured, else in
+    onnx's ReferenceEvaluator with tkopt's torch references for the fused ops.
+    """
+    orig = original if isinstance(original, onnx.ModelProto) else load_model(original)[0]
+    opt = optimized if isinstance(optimized, onnx.ModelProto) else load_model(optimized)[0]
+    feeds = dict(inputs) if inputs is not None else make_inputs(orig, seed)
+    want = run_model(orig, feeds, provider="ort")
+    fused_runner = "ort" if not has_fused_nodes(opt) or native_library() else "reference"
+    got = run_model(opt, feeds, provider=fused_runner)
+    missing = set(want) - set(got)
+    if missing:
+        raise ValueError(f"optimized model lacks outputs {sorted(missing)}")
+    return Accuracy(
+        outputs=[_errors(name, got[name], want[name]) for name in want],
+        fused_runner=fused_runner,
+        inputs={k: list(v.shape) for k, v in feeds.items()},
+    )

@@ -1,0 +1,112 @@
+"""The `tkopt` command: `tkopt optimize model.onnx`, `tkopt demo`, and room for more subcommands.
+
+A subcommand is a function that adds its parser to the subparsers and sets `run` (args -> exit
+code); list it in SUBCOMMANDS. Expected failures (bad model file, unknown pass name, accuracy
+mismatch) print one line `tkopt: error: ...` and exit non-zero; --verbose shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+EXIT_ERROR = 2
+EXIT_ACCURACY = 3
+
+
+def _optimize_model(args: argparse.Namespace, model: Path, output: Path) -> int:
+    from rich.console import Console
+
+    from tkopt.api import AccuracyError, optimize_onnx
+
+    try:
+        _, rep = optimize_onnx(model, output, disable=args.disable, report=False,
+                               check_accuracy=not args.no_check_accuracy)
+    except AccuracyError as e:
+        print(f"tkopt: error: {e}", file=sys.stderr)
+        return EXIT_ACCURACY
+    if args.json:
+        print(rep.to_json())
+    else:
+        rep.render(Console(), verbose=args.verbose)
+    return 0
+
+
+def _run_optimize(args: argparse.Namespace) -> int:
+    if args.list_passes:
+        from tkopt.passes.pipeline import all_passes
+
+        for name, _, fusion in all_passes():
+            print(f"{name}\t{'fusion' if fusion else 'canonicalization'}")
+        return 0
+    if args.model is None:
+        raise ValueError("give a model file (tkopt optimize model.onnx) or --list-passes")
+    model = Path(args.model)
+    output = Path(args.output) if args.output else model.with_name(f"{model.stem}.tkopt.onnx")
+    return _optimize_model(args, model, output)
+
+
+def _add_optimize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("optimize", help="fuse an ONNX model and write the optimized model")
+    p.add_argument("model", nargs="?", help="input .onnx file")
+    p.add_argument("-o", "--output", help="output file (default: <stem>.tkopt.onnx next to the input)")
+    _add_common(p)
+    p.add_argument("--list-passes", action="store_true", help="list the pass names (for --disable) and exit")
+    p.set_defaults(run=_run_optimize)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--disable", nargs="+", default=[], metavar="NAME", help="passes to skip")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="list refusals with reasons and all op counts")
+    p.add_argument("--no-check-accuracy", action="store_true", help="skip the fused-vs-unfused comparison")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from tkopt.models.export import export_example
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tkopt-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "example.onnx"
+    exported = export_example(path)
+    model = Path(exported) if isinstance(exported, str | Path) else path
+    if not args.json:
+        print(f"exported the example model to {model}")
+    return _optimize_model(args, model, model.with_name(f"{model.stem}.tkopt.onnx"))
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="export the bundled example model, optimize it, show report and accuracy")
+    p.add_argument("--workdir", help="where to write the models (default: a new temporary directory)")
+    _add_common(p)
+    p.set_defaults(run=_run_demo)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_optimize, _add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tkopt", description="Graph-level fusion optimizer for ONNX and PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, OSError, RuntimeError) as e:  # ModelLoadError is a ValueError
+        if getattr(args, "verbose", False):
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"tkopt: error: {msg}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
