@@ -19,14 +19,17 @@ PassFn = Callable[[Graph, PassResult], None]
 # Order matters: attention and norm fusions claim their adds before the GEMM residual epilogue does.
 PASS_MODULES = ("canonicalize", "recognize", "attention", "norm", "gemm", "finalize")
 _REGISTRY: dict[str, list[tuple[str, PassFn, bool]]] = {}
+_REQUIRED: set[str] = set()  # passes that cannot be disabled (finalize: backends need it)
 
 
-def register(name: str, *, fusion: bool = False) -> Callable[[PassFn], PassFn]:
+def register(name: str, *, fusion: bool = False, required: bool = False) -> Callable[[PassFn], PassFn]:
     """Add a pass under `name` to the calling module's list (run in definition order)."""
 
     def deco(fn: PassFn) -> PassFn:
         module = fn.__module__.rsplit(".", 1)[-1]
         _REGISTRY.setdefault(module, []).append((name, fn, fusion))
+        if required:
+            _REQUIRED.add(name)
         return fn
 
     return deco
@@ -65,6 +68,8 @@ def run_passes(graph: Graph, disable: Iterable[str] = ()) -> Report:
     unknown = disabled - {name for name, _, _ in passes}
     if unknown:
         raise ValueError(f"unknown pass names {sorted(unknown)}; known: {[n for n, _, _ in passes]}")
+    if disabled & _REQUIRED:
+        raise ValueError(f"passes {sorted(disabled & _REQUIRED)} always run and cannot be disabled")
     report = Report(nodes_before=len(graph.nodes), disabled=sorted(disabled))
     for name, fn, fusion in passes:
         if name in disabled:

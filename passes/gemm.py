@@ -1,0 +1,217 @@
+"""GEMM fusions: MatMul/Gemm/Linear + bias + activation + residual -> FusedGemm; gated MLP -> FusedGatedMLP.
+
+A linear layer's epilogue (bias, activation, residual add) costs a full read and write of the
+output per op when run unfused; the fused GEMM applies it in registers. Only 2-D weights are GEMM
+targets: batched matmuls (attention's QK^T, PV) are left alone without comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tkopt.ir import Graph, Node, Value
+
+from .base import FusionError, PassResult, fuse
+from .patterns import GraphIndex, const_scalar, is_op, is_vector_of, other_input, same_shape
+from .pipeline import register
+
+MATMUL_OPS = ("MatMul", "Gemm", "Linear")
+SIMPLE_ACTIVATIONS = {"Relu": "relu", "Silu": "silu", "Sigmoid": "sigmoid"}
+
+
+def activation_name(node: Node) -> str | None:
+    """The FusedGemm activation a canonical node computes, or None if it is not one."""
+    if is_op(node, "Gelu"):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(node.attr("approximate", "none"))
+    return SIMPLE_ACTIVATIONS.get(node.op) if is_op(node, tuple(SIMPLE_ACTIVATIONS)) else None
+
+
+@dataclass
+class Base:
+    """A matmul read as FusedGemm's A @ B (+ bias): its nodes, operands, and current output."""
+
+    nodes: list[Node]
+    a: Value
+    b: Value
+    trans_b: int
+    bias: Value | None = None
+    residual: Value | None = None
+    out: Value = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.out = self.nodes[-1].outputs[0]
+
+    @property
+    def n(self) -> object:
+        """The output's N (last dim), from the weight."""
+        return self.b.shape[0] if self.trans_b else self.b.shape[1]  # type: ignore[index]
+
+
+def _weight(ix: GraphIndex, b: Value, trans_b: int) -> tuple[Value, int, list[Node]]:
+    """(B, trans_b, []), or for B = Transpose(W) of a constant 2-D W read only here, (W, flipped
+    trans_b, [the Transpose]): a linear layer's weight as exporters and decompositions write it."""
+    t = ix.producer(b, "Transpose")
+    if t is not None and ix.single_use(b) and t.inputs[0] is not None and t.inputs[0].const is not None:
+        w = t.inputs[0]
+        if w.rank == 2 and list(t.attr("perm", [1, 0])) == [1, 0]:
+            return w, 1 - trans_b, [t]
+    return b, trans_b, []
+
+
+def match_base(ix: GraphIndex, node: Node, result: PassResult | None) -> Base | None:
+    """`node` as a GEMM with a 2-D weight, or None (refusing near misses when `result` is given)."""
+    a, b = node.inputs[0], node.inputs[1]
+    if a is None or b is None or b.rank != 2 or a.rank is None or a.rank < 2:
+        return None  # batched (attention) matmuls and vector products are not GEMM targets
+    if node.op == "MatMul":
+        w, trans_b, pre = _weight(ix, b, 0)
+        return Base([*pre, node], a, w, trans_b)
+    if node.op == "Linear":
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        return Base([node], a, b, 1, bias=bias)
+    # Gemm: Y = alpha * A' @ B' + beta * C (2-D A).
+    c = node.inputs[2] if len(node.inputs) > 2 else None
+    problem = None
+    if node.attr("transA", 0):
+        problem = "transA=1 (A transposed) is not supported"
+    elif float(node.attr("alpha", 1.0)) != 1.0:
+        problem = f"alpha={node.attr('alpha')} (must be 1)"
+    elif c is not None and float(node.attr("beta", 1.0)) != 1.0:
+        problem = f"beta={node.attr('beta')} (must be 1)"
+    if problem:
+        if result is not None:
+            result.refuse(node, f"Gemm not fused: {problem}")
+        return None
+    w, trans_b, pre = _weight(ix, b, int(node.attr("transB", 0)))
+    base = Base([*pre, node], a, w, trans_b)
+    if c is not None:
+        if is_vector_of(c, base.n):
+            base.bias = c
+        elif same_shape(c, base.out):
+            base.residual = c
+        else:
+            if result is not None:
+                result.refuse(node, f"Gemm not fused: C of shape {c.shape} is neither a bias of N={base.n} "
+                              f"nor of the output's shape {base.out.shape}")
+            return None
+    return base
+
+
+def _take_bias(ix: GraphIndex, base: Base) -> None:
+    if base.bias is not None or base.residual is not None:
+        return
+    add = ix.sole_user(base.out, "Add")
+    c = add and other_input(add, base.out)
+    if c is not None and is_vector_of(c, base.n) and c.rank is not None and c.rank <= (base.out.rank or 0):
+        base.nodes.append(add)
+        base.bias, base.out = c, add.outputs[0]
+
+
+def _take_activation(ix: GraphIndex, base: Base, result: PassResult) -> str:
+    if base.residual is not None:
+        return "none"
+    users = ix.users(base.out)
+    acts = [u for u in users if activation_name(u) is not None]
+    if not acts:
+        return "none"
+    if not ix.single_use(base.out):
+        result.refuse(acts[0], f"{acts[0].op} not fused into the GEMM: its input {base.out.name} is also "
+                      "used elsewhere (FusedGemm has one output)")
+        return "none"
+    act = acts[0]
+    base.nodes.append(act)
+    base.out = act.outputs[0]
+    return activation_name(act)  # type: ignore[return-value]
+
+
+def _take_residual(ix: GraphIndex, base: Base) -> None:
+    if base.residual is not None:
+        return
+    add = ix.sole_user(base.out, "Add")
+    r = add and other_input(add, base.out)
+    if r is not None and r is not base.out and same_shape(r, base.out) and same_shape(add.outputs[0], base.out):
+        base.nodes.append(add)
+        base.residual, base.out = r, add.outputs[0]
+
+
+# ---- gated MLP (registered first: it claims the gate projection before the plain GEMM rule) ---
+
+def _projection(ix: GraphIndex, value: Value | None) -> Base | None:
+    """`value` = x @ W (+ bias) from a MatMul/Linear/Gemm with a 2-D weight, read only once."""
+    if value is None or not ix.single_use(value):
+        return None
+    node = ix.producer(value)
+    if is_op(node, "Add"):
+        mm = next((ix.producer(v, MATMUL_OPS) for v in node.inputs if ix.producer(v, MATMUL_OPS)), None)
+        base = mm and match_base(ix, mm, None)
+        if base is None or base.residual is not None or not ix.single_use(base.out):
+            return None
+        _take_bias(ix, base)
+        return base if base.out is value else None
+    base = match_base(ix, node, None) if is_op(node, MATMUL_OPS) else None
+    return base if base is not None and base.residual is None and base.out is value else None
+
+
+def _gated(ix: GraphIndex, mul: Node, result: PassResult) -> tuple[Base, Base, Node, str] | None:
+    """mul = act(x @ Wg + bg) * (x @ Wu + bu) in either operand order."""
+    for g, u in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        act = ix.producer(g)
+        name = activation_name(act) if act is not None else None
+        if name is None or g is None or not ix.single_use(g):
+            continue
+        gate, up = _projection(ix, act.inputs[0]), _projection(ix, u)
+        if gate is None or up is None or gate.a is not up.a:
+            continue
+        problem = None
+        if gate.trans_b != up.trans_b:
+            problem = "gate and up weights differ in layout (one transposed)"
+        elif gate.b.shape != up.b.shape:
+            problem = f"gate weight {gate.b.shape} and up weight {up.b.shape} differ in shape"
+        if problem:
+            result.refuse(mul, f"gated MLP not fused: {problem}")
+            return None
+        return gate, up, act, name
+    return None
+
+
+@register("gated_mlp", fusion=True)
+def gated_mlp(graph: Graph, result: PassResult) -> None:
+    """act(x @ Wg [+ bg]) * (x @ Wu [+ bu]) -> FusedGatedMLP (SwiGLU with silu, GeGLU with gelu)."""
+    ix = GraphIndex(graph)
+    for mul in [n for n in graph.nodes if is_op(n, "Mul")]:
+        if not any(m is mul for m in graph.nodes) or const_scalar(mul.inputs[1], ix) is not None:
+            continue
+        m = _gated(ix, mul, result)
+        if m is None:
+            continue
+        gate, up, act, name = m
+        nodes = [*gate.nodes, act, *up.nodes, mul]
+        try:
+            fuse(graph, nodes, "FusedGatedMLP", [gate.a, gate.b, up.b, gate.bias, up.bias], [mul.outputs[0]],
+                 {"trans_b": gate.trans_b, "activation": name})
+        except FusionError as e:
+            result.refuse(mul, f"gated MLP not fused: {e}")
+            continue
+        result.fused += 1
+        ix.refresh()
+
+
+@register("gemm", fusion=True)
+def gemm(graph: Graph, result: PassResult) -> None:
+    """MatMul/Gemm/Linear [+ bias] [+ activation] [+ residual Add] -> FusedGemm(A, B, bias, residual)."""
+    ix = GraphIndex(graph)
+    for node in [n for n in graph.nodes if is_op(n, MATMUL_OPS)]:
+        base = match_base(ix, node, result)
+        if base is None:
+            continue
+        _take_bias(ix, base)
+        act = _take_activation(ix, base, result)
+        _take_residual(ix, base)
+        attrs = {"trans_b": base.trans_b, "activation": act}
+        try:
+            fuse(graph, base.nodes, "FusedGemm", [base.a, base.b, base.bias, base.residual], [base.out], attrs)
+        except FusionError as e:
+            result.refuse(node, f"FusedGemm not formed: {e}")
+            continue
+        result.fused += 1
+        ix.refresh()

@@ -1,0 +1,169 @@
+"""GEMM epilogue and gated-MLP fusion on hand-built graphs: forms, refusals, numerics, disabling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tkopt.passes.gemm import gated_mlp, gemm
+from tkopt.passes.pipeline import run_passes
+from tkopt.passes.recognize import recognize_gelu, recognize_silu
+
+from .ir_helpers import Builder, apply, ops, reasons
+
+X = (2, 3, 8)  # (batch, seq, K)
+
+
+def _fused_same(b: Builder, *passes, want_ops: list[str]):
+    want = b.run()
+    r = apply(b.graph, recognize_gelu, recognize_silu, *passes)
+    assert ops(b.graph) == want_ops, (ops(b.graph), reasons(r))
+    for got, ref in zip(b.run(), want, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    return r
+
+
+def _act(b: Builder, name: str, y):
+    if name == "relu":
+        return b.op("Relu", y)
+    if name == "sigmoid":
+        return b.op("Sigmoid", y)
+    if name == "silu":
+        return b.op("Mul", y, b.op("Sigmoid", y))
+    if name == "gelu":  # decomposed erf form, as the ONNX exporters write it
+        e = b.op("Erf", b.op("Div", y, 1.4142135))
+        return b.op("Mul", y, b.op("Mul", 0.5, b.op("Add", e, 1.0)))
+    return b.op("Gelu", y, approximate="tanh")
+
+
+@pytest.mark.parametrize("act", ["relu", "sigmoid", "silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_matmul_bias_activation_residual(act, bias_first):
+    b = Builder()
+    x, res = b.input("x", X), b.input("res", (2, 3, 16))
+    y = b.op("MatMul", x, b.param(8, 16, name="w"))
+    y = b.op("Add", b.param(16, name="bias"), y) if bias_first else b.op("Add", y, b.param(16, name="bias"))
+    b.output(b.op("Add", res, _act(b, act, y)))
+    _fused_same(b, gemm, want_ops=["FusedGemm"])
+    node = b.graph.nodes[0]
+    assert node.attrs == {"trans_b": 0, "activation": act}
+    assert [v.name for v in node.inputs] == ["x", "w", "bias", "res"]
+
+
+def test_transposed_constant_weight_and_linear_use_trans_b():
+    b = Builder()
+    x = b.input("x", X)
+    y = b.op("MatMul", x, b.op("Transpose", b.param(16, 8, name="w1"), perm=[1, 0]))
+    z = b.op("Linear", y, b.param(4, 16, name="w2"), b.param(4, name="b2"))
+    b.output(z)
+    _fused_same(b, gemm, want_ops=["FusedGemm", "FusedGemm"])
+    first, second = b.graph.nodes
+    assert first.attrs["trans_b"] == 1 and first.inputs[1].name == "w1" and first.inputs[2] is None
+    assert second.attrs["trans_b"] == 1 and second.inputs[2].name == "b2"
+
+
+def test_gemm_op_bias_and_full_shape_c_as_residual():
+    b = Builder()
+    a, c = b.input("a", (6, 8)), b.input("c", (6, 16))
+    y = b.op("Gemm", a, b.param(16, 8, name="w"), b.param(16), transB=1)
+    b.output(b.op("Gemm", y, b.param(16, 16), c))
+    _fused_same(b, gemm, want_ops=["FusedGemm", "FusedGemm"])
+    first, second = b.graph.nodes
+    assert first.attrs["trans_b"] == 1 and first.inputs[2] is not None and first.inputs[3] is None
+    assert second.inputs[2] is None and second.inputs[3] is c
+
+
+def test_gemm_near_misses_are_refused_with_reasons():
+    b = Builder()
+    a = b.input("a", (6, 8))
+    y = b.op("Gemm", a, b.param(8, 8), b.param(8), alpha=2.0)
+    y = b.op("Gemm", y, b.param(8, 8), b.param(8), beta=0.5)
+    b.output(b.op("Gemm", b.op("Transpose", y, perm=[1, 0]), b.param(8, 8), transA=1))
+    r = apply(b.graph, gemm)
+    assert r.fused == 0
+    for reason in ("alpha=2.0 (must be 1)", "beta=0.5 (must be 1)", "transA=1 (A transposed) is not supported"):
+        assert reason in reasons(r)
+
+
+def test_batched_matmul_is_not_a_target_and_not_reported():
+    b = Builder()
+    q, k = b.input("q", (2, 4, 3, 8)), b.input("k", (2, 4, 8, 3))
+    b.output(b.op("Add", b.op("MatMul", q, k), b.param(3)))
+    r = apply(b.graph, gemm)
+    assert ops(b.graph) == ["MatMul", "Add"] and not r.refusals
+
+
+def test_activation_input_used_elsewhere_is_refused_and_bias_still_fused():
+    b = Builder()
+    x = b.input("x", X)
+    y = b.op("Add", b.op("MatMul", x, b.param(8, 16)), b.param(16))
+    b.output(b.op("Relu", y), y)
+    r = _fused_same(b, gemm, want_ops=["FusedGemm", "Relu"])
+    assert b.graph.nodes[0].attrs["activation"] == "none"
+    assert "its input" in reasons(r) and "also used elsewhere" in reasons(r)
+
+
+def test_broadcasting_add_after_bias_is_not_a_residual():
+    b = Builder()
+    x, r = b.input("x", X), b.input("r", (1, 3, 16))
+    y = b.op("Add", b.op("MatMul", x, b.param(8, 16)), b.param(16))
+    b.output(b.op("Add", y, r))
+    _fused_same(b, gemm, want_ops=["FusedGemm", "Add"])
+    assert b.graph.nodes[0].inputs[3] is None
+
+
+# ---- gated MLP ---------------------------------------------------------------------------------
+
+def _mlp(form: str, act: str = "silu", up_n: int = 16, swap: bool = False) -> Builder:
+    """down(act(x @ Wg) * (x @ Wu)) with MatMul (form 'matmul') or Linear (form 'linear') projections;
+    form 'mixed': the gate is a Linear, the up projection a MatMul."""
+    b = Builder()
+    x = b.input("x", X)
+    if form == "linear":
+        g, u = b.op("Linear", x, b.param(16, 8)), b.op("Linear", x, b.param(up_n, 8))
+    elif form == "mixed":
+        g, u = b.op("Linear", x, b.param(16, 8)), b.op("MatMul", x, b.param(8, up_n))
+    else:
+        g = b.op("Add", b.op("MatMul", x, b.param(8, 16)), b.param(16))
+        u = b.op("Add", b.op("MatMul", x, b.param(8, up_n)), b.param(up_n))
+    h = _act(b, act, g)
+    h = b.op("Mul", u, h) if swap else b.op("Mul", h, u)
+    b.output(b.op("MatMul", h, b.param(16, 8)))
+    return b
+
+
+@pytest.mark.parametrize("form, act, swap", [("matmul", "silu", False), ("linear", "silu", True),
+                                             ("matmul", "gelu", True), ("linear", "gelu_tanh", False)])
+def test_gated_mlp(form, act, swap):
+    b = _mlp(form, act, swap=swap)
+    _fused_same(b, gated_mlp, gemm, want_ops=["FusedGatedMLP", "FusedGemm"])
+    node = b.graph.nodes[0]
+    assert node.attrs == {"trans_b": int(form == "linear"), "activation": act}
+    assert (node.inputs[3] is None) == (form == "linear")
+
+
+@pytest.mark.parametrize("form, up_n, reason", [
+    ("linear", 1, "gate weight (16, 8) and up weight (1, 8) differ in shape"),  # a broadcasting Mul
+    ("mixed", 16, "gate and up weights differ in layout (one transposed)"),
+])
+def test_gated_mlp_near_misses_are_refused(form, up_n, reason):
+    b = _mlp(form, up_n=up_n)
+    r = apply(b.graph, recognize_silu, gated_mlp)
+    assert "FusedGatedMLP" not in ops(b.graph) and reason in reasons(r)
+
+
+@pytest.mark.parametrize("disable, want", [
+    ((), ["FusedGatedMLP", "FusedGemm"]),
+    (("gated_mlp",), ["FusedGemm", "FusedGemm", "Mul", "FusedGemm"]),
+    (("gemm",), ["FusedGatedMLP", "MatMul"]),
+    (("gated_mlp", "gemm"), ["MatMul", "Add", "Sigmoid", "Mul", "MatMul", "Add", "Mul", "MatMul"]),
+    (("gated_mlp", "gemm", "recognize_silu"), ["MatMul", "Add", "Sigmoid", "Mul", "MatMul", "Add", "Mul", "MatMul"]),
+])
+def test_disabling_passes_by_name(disable, want):
+    b = _mlp("matmul")
+    ref = b.run()
+    report = run_passes(b.graph, disable=disable)
+    assert sorted(ops(b.graph)) == sorted(want)
+    assert report.fusions.get("gemm", 0) == (0 if "gemm" in disable else want.count("FusedGemm"))
+    torch.testing.assert_close(b.run()[0], ref[0], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="cannot be disabled"):
+        run_passes(b.graph, disable=["finalize"])
