@@ -1,0 +1,481 @@
+"""Residual add + LayerNorm / RMSNorm (and the plain norms) over the last dim, as TileLang kernels.
+
+Public API (semantics: kernels/reference.py):
+    add_layer_norm(x, residual, weight, bias, eps=1e-5, *, return_sum=True, out=None, sum_out=None)
+    add_rms_norm(x, residual, weight, eps=1e-6, *, return_sum=True, out=None, sum_out=None)
+        -> (normed, x + residual), or only normed when return_sum=False (the sum is then never written).
+    layer_norm(x, weight, bias, eps=1e-5), rms_norm(x, weight, eps=1e-6) -> normed
+
+Program builders (for lowering to CUDA / C source elsewhere):
+    norm_program_gpu(kind, n, dtype, w_dtype, *, has_residual, has_weight, has_bias, write_sum, eps,
+                     block_rows, threads_per_row)
+    norm_program_cpu(kind, n, dtype, w_dtype, *, has_residual, has_weight, has_bias, write_sum, eps)
+The row count M is a dynamic dim (T.dynamic("m")): one compiled kernel serves every batch*seq size.
+Every program has the fixed signature (X, R, W, B, Y, S): X, R, Y, S are (m, n) in `dtype`, W and B are
+(n,) in `w_dtype`. Arguments the flags switch off (R without residual, W/B without weight/bias, S when
+write_sum=False) are never read or written: pass any tensor of that shape and dtype (the wrappers pass x /
+its first row / y).
+
+GPU design (sm90 and sm80 share the template; they differ in config): each CTA holds `block_rows` rows
+entirely in registers (fp32), `threads_per_row` threads per row, each thread owning 16-byte chunks so that
+loads are 128-bit; x and residual are read once, statistics are two-pass from registers (exact mean, then
+sum of squared deviations), y (and the sum) written once. Hidden sizes that are not a multiple of
+16 bytes * threads_per_row are padded inside the CTA and guarded (slower: the guard blocks vectorization).
+Max hidden size on GPU: MAX_N_GPU (registers); larger raises UnsupportedError.
+CPU design: serial C loops per row, same math (float32 statistics, float64 stays float64).
+"""
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from .arch import UnsupportedError, arch_of, target_of
+from .tuning import pick_config as _pick_config
+
+_TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+              torch.float64: "float64"}
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CPU_DTYPES = (torch.float32, torch.float64)
+MAX_N_GPU = 32768
+_ELEMS_PER_THREAD_CAP = 64  # fp32 registers per thread for the row (x2 with temporaries)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared helpers (also used by softmax.py and conv.py)
+# ----------------------------------------------------------------------------------------------
+
+def tl_dtype(dt: torch.dtype) -> str:
+    return _TL_DTYPES[dt]
+
+
+def acc_dtype(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def resolved_target(arch: str):
+    """target_of(arch) in the form tilelang.compile / lower accept (CLI target strings are gone in 0.1.15)."""
+    from tilelang.tools.compile_only import resolve_target
+
+    return resolve_target(target_of(arch))
+
+
+_compile_lock = threading.Lock()
+_compiled: dict[tuple, object] = {}
+COMPILE_LOG: list[tuple[str, float]] = []  # (key, seconds) of every compile this process did
+
+
+def compile_cached(key: tuple, arch: str, build: Callable[[], object]):
+    """Compile build() for arch once per process (TileLang also caches on disk across processes)."""
+    kern = _compiled.get(key)
+    if kern is not None:
+        return kern
+    with _compile_lock:
+        kern = _compiled.get(key)
+        if kern is None:
+            import tilelang
+
+            t0 = time.perf_counter()
+            func = build()
+            if arch == "cpu":
+                from tilelang import tvm
+
+                with tvm.target.Target("c"):
+                    kern = tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
+            else:
+                kern = tilelang.compile(func, target=resolved_target(arch))
+            COMPILE_LOG.append((repr(key), time.perf_counter() - t0))
+            _compiled[key] = kern
+    return kern
+
+
+def cuda_source(func, arch: str) -> str:
+    """Lower a GPU program to CUDA source for arch ('sm90' / 'sm80') without a GPU."""
+    from tilelang.tools.compile_only import compile_kernel_source
+
+    return compile_kernel_source(func, target_of(arch))
+
+
+def gpu_bench(fn: Callable[[], object]) -> float:
+    """Median ms of fn() with CUDA events (used as pick_config's bench)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _ceil_to(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+# ----------------------------------------------------------------------------------------------
+# Programs
+# ----------------------------------------------------------------------------------------------
+
+def norm_program_gpu(
+    kind: str,
+    n: int,
+    dtype: str,
+    w_dtype: str,
+    *,
+    has_residual: bool,
+    has_weight: bool,
+    has_bias: bool,
+    write_sum: bool,
+    eps: float,
+    block_rows: int,
+    threads_per_row: int,
+):
+    """GPU program: Y = norm(X (+ R)) * W + B over the last dim, S = X + R. kind: 'layer' or 'rms'."""
+    import tilelang.language as T
+
+    if kind not in ("layer", "rms"):
+        raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
+    acc = "float32"
+    elem = 4 if dtype == "float32" else 2
+    vec = 16 // elem
+    np_ = _ceil_to(n, vec * threads_per_row)
+    threads = block_rows * threads_per_row
+    col_guard = np_ != n
+    row_guard = block_rows > 1
+    is_ln = kind == "layer"
+    has_bias = has_bias and is_ln
+    inv_n = 1.0 / n
+    m = T.dynamic("m")
+
+    def ok(row, j):
+        if col_guard and row_guard:
+            return T.And(row < m, j < n)
+        if col_guard:
+            return j < n
+        return row < m
+
+    @T.prim_func
+    def main(
+        X: T.Tensor((m, n), dtype),
+        R: T.Tensor((m, n), dtype),
+        W: T.Tensor((n,), w_dtype),
+        B: T.Tensor((n,), w_dtype),
+        Y: T.Tensor((m, n), dtype),
+        S: T.Tensor((m, n), dtype),
+    ):
+        with T.Kernel(T.ceildiv(m, block_rows), threads=threads) as bx:
+            s = T.alloc_fragment((block_rows, np_), acc)
+            d = T.alloc_fragment((block_rows, np_), acc)
+            mean = T.alloc_fragment((block_rows,), acc)
+            rstd = T.alloc_fragment((block_rows,), acc)
+            for i, j in T.Parallel(block_rows, np_):
+                row = bx * block_rows + i
+                if col_guard or row_guard:
+                    if has_residual:
+                        s[i, j] = T.if_then_else(
+                            ok(row, j), T.Cast(acc, X[row, j]) + T.Cast(acc, R[row, j]), T.float32(0))
+                    else:
+                        s[i, j] = T.if_then_else(ok(row, j), T.Cast(acc, X[row, j]), T.float32(0))
+                else:
+                    if has_residual:
+                        s[i, j] = T.Cast(acc, X[row, j]) + T.Cast(acc, R[row, j])
+                    else:
+                        s[i, j] = T.Cast(acc, X[row, j])
+            if is_ln:
+                T.reduce_sum(s, mean, dim=1)
+                for i in T.Parallel(block_rows):
+                    mean[i] = mean[i] * inv_n
+                for i, j in T.Parallel(block_rows, np_):
+                    if col_guard:
+                        d[i, j] = T.if_then_else(j < n, (s[i, j] - mean[i]) * (s[i, j] - mean[i]),
+                                                 T.float32(0))
+                    else:
+                        d[i, j] = (s[i, j] - mean[i]) * (s[i, j] - mean[i])
+            else:
+                for i, j in T.Parallel(block_rows, np_):
+                    d[i, j] = s[i, j] * s[i, j]
+            T.reduce_sum(d, rstd, dim=1)
+            for i in T.Parallel(block_rows):
+                rstd[i] = T.rsqrt(rstd[i] * inv_n + eps)
+            for i, j in T.Parallel(block_rows, np_):
+                row = bx * block_rows + i
+                if is_ln:
+                    v = (s[i, j] - mean[i]) * rstd[i]
+                else:
+                    v = s[i, j] * rstd[i]
+                if has_weight:
+                    v = v * T.Cast(acc, W[j])
+                if has_bias:
+                    v = v + T.Cast(acc, B[j])
+                if col_guard or row_guard:
+                    if ok(row, j):
+                        Y[row, j] = T.Cast(dtype, v)
+                        if write_sum:
+                            S[row, j] = T.Cast(dtype, s[i, j])
+                else:
+                    Y[row, j] = T.Cast(dtype, v)
+                    if write_sum:
+                        S[row, j] = T.Cast(dtype, s[i, j])
+
+    return main
+
+
+def norm_program_cpu(
+    kind: str,
+    n: int,
+    dtype: str,
+    w_dtype: str,
+    *,
+    has_residual: bool,
+    has_weight: bool,
+    has_bias: bool,
+    write_sum: bool,
+    eps: float,
+):
+    """CPU (C backend) program with the same signature and math as norm_program_gpu; serial per row."""
+    import tilelang.language as T
+    from tilelang.cpu.language import Kernel
+
+    if kind not in ("layer", "rms"):
+        raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
+    acc = acc_dtype(dtype)
+    is_ln = kind == "layer"
+    has_bias = has_bias and is_ln
+    m = T.dynamic("m")
+
+    @T.prim_func
+    def main(
+        X: T.Tensor((m, n), dtype),
+        R: T.Tensor((m, n), dtype),
+        W: T.Tensor((n,), w_dtype),
+        B: T.Tensor((n,), w_dtype),
+        Y: T.Tensor((m, n), dtype),
+        S: T.Tensor((m, n), dtype),
+    ):
+        with Kernel(m) as bx:
+            # No row buffer: each pass re-reads x (+ residual); a local (n,) array would live on the C stack.
+            st = T.alloc_local((2,), acc)
+            st[0] = T.cast(0, acc)
+            if is_ln:
+                for j in T.serial(n):
+                    if has_residual:
+                        st[0] += T.Cast(acc, X[bx, j]) + T.Cast(acc, R[bx, j])
+                    else:
+                        st[0] += T.Cast(acc, X[bx, j])
+                st[0] = st[0] / T.cast(n, acc)  # not * (1/n): C prints constants with 7 digits
+            st[1] = T.cast(0, acc)
+            for j in T.serial(n):
+                if has_residual:
+                    st[1] += (T.Cast(acc, X[bx, j]) + T.Cast(acc, R[bx, j]) - st[0]) * (
+                        T.Cast(acc, X[bx, j]) + T.Cast(acc, R[bx, j]) - st[0])
+                else:
+                    st[1] += (T.Cast(acc, X[bx, j]) - st[0]) * (T.Cast(acc, X[bx, j]) - st[0])
+            st[1] = T.cast(1, acc) / T.sqrt(st[1] / T.cast(n, acc) + T.cast(eps, acc))
+            for j in T.serial(n):
+                if has_residual:
+                    v = T.Cast(acc, X[bx, j]) + T.Cast(acc, R[bx, j])
+                else:
+                    v = T.Cast(acc, X[bx, j])
+                if write_sum:
+                    S[bx, j] = T.Cast(dtype, v)
+                u = (v - st[0]) * st[1]
+                if has_weight:
+                    u = u * T.Cast(acc, W[j])
+                if has_bias:
+                    u = u + T.Cast(acc, B[j])
+                Y[bx, j] = T.Cast(dtype, u)
+
+    return main
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------
+
+def _valid_cfg(n: int, elem: int, block_rows: int, tpr: int) -> bool:
+    vec = 16 // elem
+    per_thread = _ceil_to(n, vec * tpr) // tpr
+    return per_thread <= _ELEMS_PER_THREAD_CAP and block_rows * tpr <= 1024 and tpr >= 32 and tpr & (tpr - 1) == 0
+
+
+def default_norm_config(n: int, elem: int, arch: str) -> dict:
+    """threads_per_row: a power of two >= 32 giving each thread 1-4 16-byte chunks, preferring exact division
+    (no padding guard); block_rows so that a CTA has >= 128 threads for small rows."""
+    vec = 16 // elem
+    chunks = -(-n // vec)
+    target = 2 if arch == "sm90" else 2  # chunks per thread; candidates explore 1..4
+    best = None
+    for tpr in (32, 64, 128, 256, 512, 1024):  # TileLang's AllReduce needs a power-of-two width
+        per = -(-chunks // tpr)
+        if per > _ELEMS_PER_THREAD_CAP // vec:
+            continue
+        exact = n % (vec * tpr) == 0
+        score = (not exact, abs(per - target), tpr)
+        if best is None or score < best[0]:
+            best = (score, tpr)
+    if best is None:
+        raise UnsupportedError(f"hidden size {n} is too large for the register-resident norm (max {MAX_N_GPU})")
+    tpr = best[1]
+    block_rows = max(1, 128 // tpr)
+    return {"block_rows": block_rows, "threads_per_row": tpr}
+
+
+def norm_candidates(n: int, elem: int, arch: str) -> list[dict]:
+    d = default_norm_config(n, elem, arch)
+    out = [d]
+    vec = 16 // elem
+    for tpr in (d["threads_per_row"] // 2, d["threads_per_row"] * 2):
+        if tpr >= 32 and (n % (vec * tpr) == 0 or n % (vec * d["threads_per_row"])):
+            out.append({"block_rows": max(1, 128 // tpr), "threads_per_row": tpr})
+    out.append({"block_rows": d["block_rows"] * 2, "threads_per_row": d["threads_per_row"]})
+    return [c for c in out if _valid_cfg(n, elem, c["block_rows"], c["threads_per_row"])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------------------
+
+def _check_vec(name: str, t: torch.Tensor | None, n: int, x: torch.Tensor) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) (the last dim of x), got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if not t.is_floating_point():
+        raise UnsupportedError(f"{name} dtype {t.dtype} is not a floating dtype")
+    return t
+
+
+def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, arch):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim (normalization is over the last dim)")
+    arch = arch_of(x, arch)
+    allowed = CPU_DTYPES if arch == "cpu" else GPU_DTYPES
+    if x.dtype not in allowed:
+        raise UnsupportedError(f"{kind} norm on {arch}: dtype {x.dtype} not supported (supported: {allowed})")
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError("x has an empty last dim: nothing to normalize over")
+    if arch != "cpu" and n > MAX_N_GPU:
+        raise UnsupportedError(f"{kind} norm on {arch}: hidden size {n} > {MAX_N_GPU} is not supported")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"residual ({residual.dtype}, {residual.device}) must match x ({x.dtype}, {x.device})")
+    weight = _check_vec("weight", weight, n, x)
+    bias = _check_vec("bias", bias, n, x)
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} and bias dtype {bias.dtype} differ")
+    wt = weight if weight is not None else bias
+    w_dtype = x.dtype if wt is None else wt.dtype
+    if arch == "cpu" and w_dtype not in CPU_DTYPES:
+        raise UnsupportedError(f"{kind} norm on cpu: weight dtype {w_dtype} not supported")
+    if arch != "cpu" and w_dtype not in GPU_DTYPES:
+        raise UnsupportedError(f"{kind} norm on {arch}: weight dtype {w_dtype} not supported")
+
+    shape = x.shape
+    m = x.numel() // n
+    x2 = x.reshape(m, n)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(m, n)
+        if not r2.is_contiguous():
+            r2 = r2.contiguous()
+    for name, o in (("out", out), ("sum_out", sum_out)):
+        if o is not None and (o.shape != shape or o.dtype != x.dtype or o.device != x.device
+                              or not o.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {x.dtype} tensor of shape {tuple(shape)} on {x.device}")
+    y = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    write_sum = bool(return_sum)
+    s = None
+    if write_sum:
+        s = sum_out if sum_out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if m > 0:
+        y2 = y.view(m, n)
+        s2 = s.view(m, n) if s is not None else y2
+        w = weight.contiguous() if weight is not None else None
+        b = bias.contiguous() if bias is not None else None
+        dummy_w = w if w is not None else (b if b is not None else None)
+        if dummy_w is None:
+            dummy_w = x2[0] if w_dtype == x.dtype else torch.empty(n, dtype=w_dtype, device=x.device)
+        args = (x2, r2 if r2 is not None else x2, w if w is not None else dummy_w,
+                b if b is not None else dummy_w, y2, s2)
+        flags = dict(has_residual=r2 is not None, has_weight=w is not None,
+                     has_bias=b is not None and kind == "layer", write_sum=write_sum, eps=float(eps))
+        dt, wdt = tl_dtype(x.dtype), tl_dtype(w_dtype)
+        kern = get_norm_kernel(kind, n, dt, wdt, arch, flags, args)
+        kern(*args)
+    if write_sum:
+        return y, s
+    return y
+
+
+def get_norm_kernel(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flags: dict, args=None):
+    """The compiled kernel for these compile-time keys (config from pick_config on GPU)."""
+    fkey = tuple(sorted(flags.items()))
+    if arch == "cpu":
+        key = ("norm", kind, n, dtype, w_dtype, arch, fkey)
+        return compile_cached(key, arch, lambda: norm_program_cpu(kind, n, dtype, w_dtype, **flags))
+    cfg_key = ("norm", kind, n, dtype, w_dtype, arch, fkey)
+    cfg = _cfg_cache.get(cfg_key)
+    if cfg is None:
+        elem = 4 if dtype == "float32" else 2
+        default = default_norm_config(n, elem, arch)
+
+        def bench(c: dict) -> float:
+            k = _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, c)
+            return gpu_bench(lambda: k(*args))
+
+        cfg = _pick_config(f"{kind}_norm", arch, (n, dtype, w_dtype, fkey), norm_candidates(n, elem, arch),
+                           default, bench) if args is not None else default
+        _cfg_cache[cfg_key] = cfg
+    return _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, cfg)
+
+
+_cfg_cache: dict[tuple, dict] = {}
+
+
+def _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, cfg):
+    key = ("norm", kind, n, dtype, w_dtype, arch, tuple(sorted(flags.items())), tuple(sorted(cfg.items())))
+    return compile_cached(key, arch, lambda: norm_program_gpu(kind, n, dtype, w_dtype, **flags, **cfg))
+
+
+def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, *, return_sum: bool = True,
+                   out=None, sum_out=None, arch: str | None = None):
+    """(LayerNorm(x + residual) * weight + bias, x + residual) over the last dim; only normed if not return_sum.
+
+    Inputs of any leading dims; non-contiguous inputs are copied to contiguous first. fp16/bf16/fp32 on GPU
+    (fp32 statistics), fp32/fp64 on CPU. `out`/`sum_out`: optional preallocated contiguous outputs.
+    `arch` forces a variant ('sm80' on an H200), as TKOPT_ARCH does.
+    """
+    return _add_norm("layer", x, residual, weight, bias, eps, return_sum, out, sum_out, arch)
+
+
+def add_rms_norm(x, residual=None, weight=None, eps: float = 1e-6, *, return_sum: bool = True,
+                 out=None, sum_out=None, arch: str | None = None):
+    """(RMSNorm(x + residual) * weight, x + residual) over the last dim; only normed if not return_sum."""
+    return _add_norm("rms", x, residual, weight, None, eps, return_sum, out, sum_out, arch)
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, out=None, arch: str | None = None):
+    return _add_norm("layer", x, None, weight, bias, eps, False, out, None, arch)
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6, *, out=None, arch: str | None = None):
+    return _add_norm("rms", x, None, weight, None, eps, False, out, None, arch)
