@@ -1,0 +1,263 @@
+"""Build the native ORT custom-op library for one optimized model: TileLang source in, a .so out.
+
+Each fused node's kernel program is lowered by TileLang for the target (its C backend for "cpu",
+CUDA for "sm80"/"sm90"), wrapped with TileLang's own host launcher (`call(...)`, which on sm90 also
+builds the TMA descriptors), renamed so many kernels can live in one library, and bound to the
+node's ONNX inputs/outputs by a small generated C++ function. `csrc/op_library.h` is the shell
+that registers the ops with ORT. No Python runs per op: the session calls straight into the .so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import headers
+
+CSRC = Path(__file__).with_name("csrc")
+TARGET_ARCH = {"cpu": "cpu", "sm80": "sm80", "sm90": "sm90"}
+_GENCODE = {"sm80": "arch=compute_80,code=sm_80", "sm90": "arch=compute_90a,code=sm_90a"}
+ONNX_ELEM = {"float32": 1, "float16": 10, "bfloat16": 16, "float64": 11, "int64": 7, "int32": 6, "bool": 9}
+
+
+class LibraryBuildError(RuntimeError):
+    """Building the op library failed; the message carries the compiler's own output."""
+
+
+@dataclass
+class KernelSource:
+    """One lowered kernel, renamed to `symbol`: its source and its params in `call` order."""
+
+    symbol: str
+    source: str
+    params: list[tuple[str, str]]  # (name, "buffer" | "var" | "stream") in call order
+    buffer_shapes: dict[str, list[int | str]]  # buffer name -> dims (ints static, str = symbolic var)
+    has_init: bool
+
+
+def lower_program(func, arch: str, symbol: str) -> KernelSource:
+    """Lower a TileLang prim_func for `arch` and wrap it with TileLang's host launcher, renamed."""
+    import tilelang
+    import tvm
+    from tilelang.jit.adapter.wrapper import TLWrapper
+
+    from tkopt.kernels.arch import target_of
+
+    target = target_of(arch)
+    with target:
+        art = tilelang.lower(func, target=target)
+    wrapper = TLWrapper(target)
+    wrapper.assign_optimized_module(tvm.IRModule({func.attrs["global_symbol"]: func}))
+    wrapper.assign_pass_configs({})
+    wrapper.assign_host_module(art.host_mod)
+    wrapper.assign_device_module(art.device_mod)
+    code = wrapper.wrap(art.kernel_source)
+    code = _rename(code, symbol)
+    params, shapes = _signature(func)
+    if arch != "cpu":
+        params.append(("stream", "stream"))
+    return KernelSource(symbol, code, params, shapes, has_init=arch != "cpu")
+
+
+def _rename(code: str, symbol: str) -> str:
+    """Give every exported or device symbol a per-kernel prefix (many kernels share one library)."""
+    names = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", code))
+    names |= set(re.findall(r"int32_t\s+(\w+_kernel)\s*\(", code))
+    for name in sorted(names, key=len, reverse=True):
+        code = re.sub(rf"\b{name}\b", f"{symbol}_{name}", code)
+    # Only the wrapper's exported definitions: device code has members named init() too.
+    code = re.sub(r"\b(int32_t|int|const char\*)(\s+)(call|init|get_last_error)\(", rf"\1\2{symbol}_\3(", code)
+    return code
+
+
+def _signature(func) -> tuple[list[tuple[str, str]], dict[str, list[int | str]]]:
+    """Params of TileLang's `call`: every buffer in order, then each symbolic var once (first use)."""
+    params: list[tuple[str, str]] = []
+    shapes: dict[str, list[int | str]] = {}
+    seen_vars: list[str] = []
+    for p in func.params:
+        buf = func.buffer_map.get(p)
+        if buf is None:
+            params.append((p.name, "var"))
+            continue
+        dims: list[int | str] = []
+        for d in buf.shape:
+            if hasattr(d, "value"):
+                dims.append(int(d.value))
+            else:
+                dims.append(str(d))
+                if str(d) not in seen_vars:
+                    seen_vars.append(str(d))
+        shapes[buf.name] = dims
+        params.append((buf.name, "buffer"))
+    params += [(v, "var") for v in seen_vars]
+    return params, shapes
+
+
+@dataclass
+class NodeBinding:
+    """How one fused node's ONNX tensors feed its kernel.
+
+    `buffers` maps each kernel buffer to ("in", i) or ("out", j); the ONNX tensor is viewed as the
+    buffer's rank by merging leading dims. `out_shapes[j]` is a C++ expression (over s<i>, the
+    input shapes as std::vector<int64_t>) giving output j's shape. `var_exprs` gives a C++ value
+    for a symbolic var when it is not simply a dim of some input buffer.
+    """
+
+    node: str
+    op: str
+    dtype: str
+    kernel: KernelSource
+    buffers: dict[str, tuple[str, int]]
+    out_shapes: dict[int, str]
+    n_inputs: int
+    var_exprs: dict[str, str] = field(default_factory=dict)
+
+
+def _node_function(b: NodeBinding, index: int) -> str:
+    k = b.kernel
+    lines = [f"static void run_{index}(Ort::KernelContext& ctx, void* stream) {{",
+             f'  static const std::string node = "{b.node}";', "  (void)stream;"]
+    used_inputs = sorted({i for kind, i in b.buffers.values() if kind == "in"})
+    for i in range(b.n_inputs):
+        if i in used_inputs:
+            lines.append(f"  auto in{i} = ctx.GetInput({i});")
+            lines.append(f"  auto s{i} = tkopt::shape_of(in{i});")
+    var_values: dict[str, str] = dict(b.var_exprs)
+    # Shape checks: static dims must match exactly; symbolic dims are read from the first buffer using them.
+    for name, (kind, i) in b.buffers.items():
+        if kind != "in":
+            continue
+        dims = k.buffer_shapes[name]
+        r = len(dims)
+        lines.append(f"  if (s{i}.size() < {r}) tkopt::fail(node, \"input {i} ({name}) must have rank >= {r}\");")
+        lines.append(f"  std::vector<int64_t> v{i}(s{i}.end() - {r - 1}, s{i}.end());" if r > 1
+                     else f"  std::vector<int64_t> v{i};")
+        lines.append(f"  v{i}.insert(v{i}.begin(), tkopt::numel(s{i}, 0, s{i}.size() - {r - 1}));")
+        for ax, d in enumerate(dims):
+            if isinstance(d, int):
+                lines.append(f'  tkopt::expect_dim(node, "{name}", v{i}, {ax}, {d});')
+            elif d not in var_values:
+                var_values[d] = f"v{i}[{ax}]"
+            else:
+                lines.append(f"  if (v{i}[{ax}] != {var_values[d]}) "
+                             f"tkopt::fail(node, \"input {i} ({name}) axis {ax} does not match {d}\");")
+    outs = sorted({i for kind, i in b.buffers.values() if kind == "out"})
+    for j in outs:
+        lines.append(f"  auto out{j} = ctx.GetOutput({j}, {b.out_shapes[j]});")
+    for var, expr in var_values.items():
+        lines.append(f"  int64_t {var} = {expr};")
+        lines.append(f'  tkopt::expect_int32(node, "{var}", {var});')
+    zero = " || ".join(f"{v} == 0" for v in var_values) or "false"
+    lines.append(f"  if ({zero}) return;  // empty tensors: nothing to compute")
+    args = []
+    for name, kind in k.params:
+        if kind == "stream":
+            args.append("stream")
+        elif kind == "var":
+            args.append(f"(int32_t){name}")
+        else:
+            io, i = b.buffers[name]
+            args.append(f"(void*)in{i}.GetTensorRawData()" if io == "in"
+                        else f"out{i}.GetTensorMutableRawData()")
+    call = f"{k.symbol}_call({', '.join(args)})"
+    lines.append(f"  if ({call} != 0) tkopt::fail(node, {_error_expr(k)});")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _error_expr(k: KernelSource) -> str:
+    return f'std::string("kernel {k.symbol} failed: ") + {k.symbol}_get_last_error()'
+
+
+def _prototype(k: KernelSource) -> str:
+    args = ", ".join("void*" if kind in ("buffer", "stream") else "int32_t" for _, kind in k.params)
+    lines = [f'extern "C" int {k.symbol}_call({args});', f'extern "C" const char* {k.symbol}_get_last_error();']
+    if k.has_init:
+        lines.append(f'extern "C" int {k.symbol}_init();')
+    return "\n".join(lines)
+
+
+def generate_main_source(bindings: list[NodeBinding], kernels: list[KernelSource], target: str,
+                         op_signatures: dict[tuple[str, str], tuple[list[bool], list[bool]]]) -> str:
+    """The library's main C++ file: prototypes, one run function per node, the node and op tables."""
+    cuda = target != "cpu"
+    ep = '"CUDAExecutionProvider"' if cuda else '"CPUExecutionProvider"'
+    parts = [f"#define TKOPT_EXECUTION_PROVIDER {ep}", f"#define TKOPT_CUDA {int(cuda)}",
+             '#include "op_library.h"', ""]
+    parts += [_prototype(k) for k in kernels]
+    for k in kernels:
+        if k.has_init:
+            parts.append(f"static void init_{k.symbol}() {{ if ({k.symbol}_init() != 0) "
+                         f'ORT_CXX_API_THROW(std::string("kernel init failed: ") + {k.symbol}_get_last_error(), '
+                         "ORT_FAIL); }")
+    parts += [_node_function(b, i) for i, b in enumerate(bindings)]
+    table = ",\n".join(
+        f'    {{"{b.node}", {{"{b.op}", run_{i}, {("init_" + b.kernel.symbol) if b.kernel.has_init else "nullptr"}}}}}'
+        for i, b in enumerate(bindings)
+    )
+    parts.append("namespace tkopt {")
+    parts.append("const std::unordered_map<std::string, NodeEntry>& node_table() {")
+    parts.append(f"  static const std::unordered_map<std::string, NodeEntry> t = {{\n{table}\n  }};")
+    parts.append("  return t;\n}")
+    ops = ",\n".join(
+        f'    FusedOp("{op}", {ONNX_ELEM[dt]}, {{{", ".join(map(_cbool, ins))}}}, {{{", ".join(map(_cbool, outs))}}})'
+        for (op, dt), (ins, outs) in sorted(op_signatures.items())
+    )
+    parts.append("std::vector<FusedOp>& fused_ops() {")
+    parts.append(f"  static std::vector<FusedOp> ops = {{\n{ops}\n  }};")
+    parts.append("  return ops;\n}\n}  // namespace tkopt")
+    return "\n".join(parts) + "\n"
+
+
+def _cbool(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def compile_library(bindings: list[NodeBinding], kernels: list[KernelSource], target: str,
+                    op_signatures: dict[tuple[str, str], tuple[list[bool], list[bool]]], out_path: Path,
+                    keep_sources: Path | None = None) -> Path:
+    """Compile everything into `out_path` atomically; LibraryBuildError carries the compiler output."""
+    import tilelang.env as tl_env
+
+    inc = headers.include_dir()
+    out_path = Path(out_path)
+    with tempfile.TemporaryDirectory(prefix="tkopt-lib-") as tmp:
+        work = Path(tmp)
+        ext = ".cc" if target == "cpu" else ".cu"
+        srcs = []
+        for k in kernels:
+            p = work / f"{k.symbol}{ext}"
+            p.write_text(k.source)
+            srcs.append(p)
+        main = work / f"tkopt_ops{ext}"
+        main.write_text(generate_main_source(bindings, kernels, target, op_signatures))
+        srcs.append(main)
+        if keep_sources is not None:
+            keep_sources.mkdir(parents=True, exist_ok=True)
+            for p in srcs:
+                shutil.copy(p, keep_sources / p.name)
+        tmp_out = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+        includes = [f"-I{CSRC}", f"-I{inc}", f"-I{tl_env.TILELANG_TEMPLATE_PATH}"]
+        if target == "cpu":
+            cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O3", "-fPIC", "-shared", "-w",
+                   *includes, *map(str, srcs), "-o", str(tmp_out)]
+        else:
+            nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+            cmd = [nvcc, "-std=c++20", "-O3", "-w", "-Xcudafe", "--diag_suppress=177", "--shared",
+                   "--compiler-options", "-fPIC", "-gencode", _GENCODE[target], *includes,
+                   f"-I{tl_env.CUTLASS_INCLUDE_DIR}", *map(str, srcs), "-o", str(tmp_out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tmp_out.unlink(missing_ok=True)
+            raise LibraryBuildError(
+                f"building the tkopt op library for {target} failed ({cmd[0]} exit {proc.returncode}):\n"
+                + (proc.stderr or proc.stdout)[-8000:]
+            )
+        os.replace(tmp_out, out_path)
+    return out_path
