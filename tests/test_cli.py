@@ -70,3 +70,12 @@ def test_console_script(tmp_path: Path) -> None:
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tkopt.cli"]
     r = subprocess.run([*cmd, "optimize", str(tmp_path / "nope.onnx")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "nope.onnx" in r.stderr
+
+
+@pytest.mark.slow
+def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The demo exports the bundled example (dynamo exporter), optimizes it and checks accuracy."""
+    assert main(["demo", "--workdir", str(tmp_path), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["total_fused"] > 0 and rep["accuracy"]["ok"]
+    assert (tmp_path / "example.tkopt.onnx").exists()

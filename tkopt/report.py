@@ -95,15 +95,15 @@ class Report:
         console.print(f"[bold]tkopt[/bold] {self.source}" + (f" -> {self.output}" if self.output else ""))
         console.print(f"nodes: {p.nodes_before} -> {p.nodes_after}  fused: {p.total_fused}"
                       + (f"  disabled: {', '.join(p.disabled)}" if p.disabled else ""))
-        fused_ops = {k: v for k, v in self.ops_after.items() if k.startswith("tkopt::")}
         t = Table(title="fusions")
         t.add_column("pass")
         t.add_column("fused", justify="right")
         for name, n in p.fusions.items():
             t.add_row(name, str(n))
-        for op, n in fused_ops.items():
-            t.add_row(f"[dim]{op} nodes[/dim]", str(n))
         console.print(t)
+        fused_ops = {k.removeprefix("tkopt::"): v for k, v in self.ops_after.items() if k.startswith("tkopt::")}
+        if fused_ops:
+            console.print("fused nodes: " + ", ".join(f"{k} {v}" for k, v in fused_ops.items()))
         if p.edits:
             console.print("canonicalization: " + ", ".join(f"{k} {v}" for k, v in p.edits.items()))
         if p.refusals:

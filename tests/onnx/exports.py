@@ -30,3 +30,19 @@ def export(module: nn.Module, path: Path, dynamo: bool, opset: int, x: torch.Ten
         torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=opset, input_names=["x"],
                           output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
     return path
+
+
+class MaskedAttention(nn.Module):
+    """Self-attention with an integer attention_mask input (as HF models take it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        keep = attention_mask[:, None, None, :].bool()
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.out(y.transpose(1, 2).reshape(b, t, 16))

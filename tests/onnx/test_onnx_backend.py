@@ -13,7 +13,8 @@ import torch
 from onnx import helper
 from tkopt.passes.base import fuse
 
-from tkopt.api import compare_onnx, make_inputs
+from tests.onnx.exports import MaskedAttention
+from tkopt.api import compare_onnx, make_inputs, optimize_onnx
 from tkopt.backends.onnx_model import check, export_onnx, save
 from tkopt.frontends.onnx import import_onnx
 from tkopt.ir import Graph, Node, Value
@@ -171,3 +172,19 @@ def test_save_external_data_and_atomicity(ts_model: Path, tmp_path: Path) -> Non
     with pytest.raises(OSError):
         save(model, tmp_path / "dir.onnx")  # the target is a directory: replace fails
     assert sorted(os.listdir(tmp_path)) == before  # no temporary leftovers
+
+
+def test_optimize_and_compare_with_int_mask(tmp_path: Path) -> None:
+    """optimize_onnx end to end on a model with an int attention_mask input (generated: ones, then padding)."""
+    torch.manual_seed(0)
+    path = tmp_path / "att.onnx"
+    dyn = {0: "batch", 1: "seq"}
+    torch.onnx.export(MaskedAttention().eval(), (torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.int64)),
+                      str(path), dynamo=False, opset_version=17, input_names=["x", "attention_mask"],
+                      dynamic_axes={"x": dyn, "attention_mask": dyn})
+    out = tmp_path / "att.tkopt.onnx"
+    model, rep = optimize_onnx(path, out, report=False, check_accuracy=True)
+    assert out.exists() and rep.output == str(out)
+    assert rep.passes.total_fused >= 1 and rep.accuracy is not None and rep.accuracy.ok
+    assert rep.accuracy.inputs == {"x": [2, 8, 16], "attention_mask": [2, 8]}
+    assert rep.to_dict()["accuracy"]["outputs"][0]["ok"]

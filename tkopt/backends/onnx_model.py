@@ -152,8 +152,9 @@ def _from_attrs(n: Node) -> onnx.NodeProto:
     if "::" in n.op:
         raise ValueError(f"node {n.name}: cannot emit namespaced op {n.op} without its original NodeProto")
     attrs = dict(n.attrs)
-    for key in CONST_INPUT_ATTRS.get(n.op, ()):
-        attrs.pop(key, None)  # given as inputs in ONNX
+    for slot, key in enumerate(CONST_INPUT_ATTRS.get(n.op, ())):
+        if key and slot < len(n.inputs) and n.inputs[slot] is not None:
+            attrs.pop(key, None)  # mirrors an input (an attribute only in older opsets, e.g. ReduceMean 17)
     if n.op == "Cast":
         attrs["to"] = ELEM_TYPES[attrs["to"]]
     names = ["" if v is None else v.name for v in n.inputs]
