@@ -116,3 +116,13 @@ def fuse(
     graph.remove_nodes(ordered)
     graph.toposort()
     return fused
+
+
+def unfuse(graph: Graph, node: Node) -> None:
+    """Put a fused node's original subgraph back (its kernel is unavailable); readers keep working
+    because the originals produce the very Values the fused node did."""
+    index = graph.nodes.index(node)
+    graph.remove_nodes([node])
+    for offset, original in enumerate(node.replaced):
+        graph.add_node(original, index + offset)
+    graph.toposort()

@@ -103,17 +103,18 @@ def _signature(func) -> tuple[list[tuple[str, str]], dict[str, list[int | str]]]
 class NodeBinding:
     """How one fused node's ONNX tensors feed its kernel.
 
-    `buffers` maps each kernel buffer to ("in", i) or ("out", j); the ONNX tensor is viewed as the
-    buffer's rank by merging leading dims. `out_shapes[j]` is a C++ expression (over s<i>, the
-    input shapes as std::vector<int64_t>) giving output j's shape. `var_exprs` gives a C++ value
-    for a symbolic var when it is not simply a dim of some input buffer.
+    `buffers` maps each kernel buffer to ("in", i), ("out", j), or ("alias", other buffer) for a
+    buffer the kernel's flags leave unread (it gets the other buffer's pointer). The ONNX tensor is
+    viewed at the buffer's rank by merging leading dims, or by prepending 1s when it has fewer.
+    `out_shapes[j]` is a C++ expression over s<i> (input i's shape, a std::vector<int64_t>) giving
+    output j's shape. `var_exprs` gives a C++ value for a symbolic var that is no dim of an input.
     """
 
     node: str
     op: str
     dtype: str
     kernel: KernelSource
-    buffers: dict[str, tuple[str, int]]
+    buffers: dict[str, tuple[str, int | str]]
     out_shapes: dict[int, str]
     n_inputs: int
     var_exprs: dict[str, str] = field(default_factory=dict)
@@ -135,10 +136,7 @@ def _node_function(b: NodeBinding, index: int) -> str:
             continue
         dims = k.buffer_shapes[name]
         r = len(dims)
-        lines.append(f"  if (s{i}.size() < {r}) tkopt::fail(node, \"input {i} ({name}) must have rank >= {r}\");")
-        lines.append(f"  std::vector<int64_t> v{i}(s{i}.end() - {r - 1}, s{i}.end());" if r > 1
-                     else f"  std::vector<int64_t> v{i};")
-        lines.append(f"  v{i}.insert(v{i}.begin(), tkopt::numel(s{i}, 0, s{i}.size() - {r - 1}));")
+        lines.append(f"  auto v{i} = tkopt::view_as_rank(s{i}, {r});")
         for ax, d in enumerate(dims):
             if isinstance(d, int):
                 lines.append(f'  tkopt::expect_dim(node, "{name}", v{i}, {ax}, {d});')
@@ -162,13 +160,18 @@ def _node_function(b: NodeBinding, index: int) -> str:
         elif kind == "var":
             args.append(f"(int32_t){name}")
         else:
-            io, i = b.buffers[name]
-            args.append(f"(void*)in{i}.GetTensorRawData()" if io == "in"
-                        else f"out{i}.GetTensorMutableRawData()")
+            args.append(_pointer(b, name))
     call = f"{k.symbol}_call({', '.join(args)})"
     lines.append(f"  if ({call} != 0) tkopt::fail(node, {_error_expr(k)});")
     lines.append("}")
     return "\n".join(lines)
+
+
+def _pointer(b: NodeBinding, name: str) -> str:
+    io, i = b.buffers[name]
+    if io == "alias":
+        return _pointer(b, str(i))
+    return f"(void*)in{i}.GetTensorRawData()" if io == "in" else f"out{i}.GetTensorMutableRawData()"
 
 
 def _error_expr(k: KernelSource) -> str:

@@ -39,6 +39,19 @@ inline int64_t numel(const std::vector<int64_t>& shape, size_t begin, size_t end
   return n;
 }
 
+// The tensor's shape at `rank` dims: leading dims merged (rows of a GEMM), or 1s prepended (a mask
+// given as (Sq, Skv) for a kernel that reads (B, H, Sq, Skv) with broadcast dims).
+inline std::vector<int64_t> view_as_rank(const std::vector<int64_t>& shape, size_t rank) {
+  if (shape.size() <= rank) {
+    std::vector<int64_t> v(rank - shape.size(), 1);
+    v.insert(v.end(), shape.begin(), shape.end());
+    return v;
+  }
+  std::vector<int64_t> v{numel(shape, 0, shape.size() - rank + 1)};
+  v.insert(v.end(), shape.end() - (rank - 1), shape.end());
+  return v;
+}
+
 [[noreturn]] inline void fail(const std::string& node, const std::string& what) {
   ORT_CXX_API_THROW("tkopt node '" + node + "': " + what, ORT_INVALID_ARGUMENT);
 }
