@@ -170,6 +170,8 @@ def default_config(arch: str, dtype, accumulators: int = 1, m: int | None = None
         return TileConfig(block_tile=(32, 32, 32), stages=1, threads=1, use_tensorcore=False, swizzle=0,
                           stage_c=False)
     if dt == "float32":
+        if arch == "sm80" and accumulators == 2:
+            return TileConfig(block_tile=(64, 64, 32), stages=2, threads=128)
         return TileConfig(block_tile=(128, 128, 32), stages=3 if arch == "sm90" else 2,
                           threads=256 if arch == "sm90" else 128)
     small_m = m is not None and m <= 64

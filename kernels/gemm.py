@@ -23,7 +23,6 @@ GPU fp32 inputs use tf32 tensor cores (relative error ~1e-3).
 """
 
 
-import functools
 import math
 import threading
 
@@ -264,11 +263,12 @@ def _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated):
 # ---------------------------------------------------------------------------------------------------
 # Compile cache and launch
 
-_COMPILE_LOCK = threading.Lock()
+_CACHE: dict[tuple, object] = {}
+_LOCKS: dict[tuple, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
 
 
-@functools.cache
-def _compiled(arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m):
+def _compile(arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m):
     func = gemm_program(arch, N, K, dtype, config, b_transposed=b_t, has_bias=has_bias, act=act,
                         has_residual=has_res, gated=gated, m=m)
     if arch == "cpu":
@@ -276,12 +276,53 @@ def _compiled(arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m):
     return tilelang.compile(func, target=tl_target(arch))
 
 
-def compiled_kernel(arch, N, K, dtype, config, *, b_transposed=False, has_bias=False, act=None,
+def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,
                     has_residual=False, gated=False, m=None):
-    """The compiled (and memory-cached) kernel for a key; TileLang also caches on disk."""
-    with _COMPILE_LOCK:
-        return _compiled(arch, N, K, dtype_name(dtype), config, b_transposed, has_bias, act, has_residual,
-                         gated, m)
+    """The compiled kernel for a key, cached in memory (never recompiled in a warm process; TileLang
+    also caches on disk, so a new process loads instead of compiling)."""
+    key = (arch, N, K, dtype_name(dtype), config, b_transposed, has_bias, act, has_residual, gated, m)
+    kern = _CACHE.get(key)
+    if kern is not None:
+        return kern
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _CACHE:
+            _CACHE[key] = _compile(*key)
+    return _CACHE[key]
+
+
+def _precompile_worker(key):
+    import time
+
+    t = time.perf_counter()
+    try:
+        _compile(*key)
+    except Exception as exc:  # reported; the caller's own compile will raise it again if it is used
+        return key, None, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return key, time.perf_counter() - t, None
+
+
+def precompile(keys, workers: int | None = None) -> dict:
+    """Compile kernels (compiled_kernel's positional keys) in parallel worker processes, which fill
+    TileLang's disk cache; returns {key: (seconds or None, error or None)}. Keys already compiled in this
+    process are skipped. Later compiled_kernel calls here load from the disk cache."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import os
+
+    todo = [tuple(k[:3]) + (dtype_name(k[3]),) + tuple(k[4:]) for k in keys]
+    todo = [k for k in dict.fromkeys(todo) if k not in _CACHE]
+    if not todo:
+        return {}
+    workers = workers or max(1, min(len(todo), (os.cpu_count() or 2) - 1))
+    if workers == 1 or len(todo) == 1:
+        return {k: _precompile_worker(k)[1:] for k in todo}
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            return {k: (t, e) for k, t, e in ex.map(_precompile_worker, todo)}
+    except Exception as exc:  # e.g. a broken pool: kernels then compile on first use, serially
+        return {k: (None, f"precompile pool failed: {type(exc).__name__}: {exc}") for k in todo}
 
 
 def _check_tensor(name, t, dev, dtype=None):
@@ -329,6 +370,14 @@ def _contig(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
+def padded_nk(arch, N, K, elt_size):
+    """(N, K) as the kernel is compiled: on GPU rounded up to 16-byte multiples (TMA / vector copies)."""
+    if arch == "cpu":
+        return N, K
+    al = 16 // elt_size
+    return -(-N // al) * al, -(-K // al) * al
+
+
 def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_shape, M, N, K, gated):
     """Run the kernel; handles empty sizes, contiguity and the `out=` buffer."""
     if out is not None:
@@ -345,23 +394,38 @@ def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_s
         else:
             y = gemm_ref(a, bs[0], biases[0], act, residual, b_transposed=b_transposed)
         return out.copy_(y) if out is not None else y
-    a2 = _contig(a.reshape(M, K))
-    args = [a2, *[_contig(b) for b in bs]]
+    a2 = a.reshape(M, K)
+    bs = list(bs)
+    biases = list(biases)
+    res2 = None if residual is None else residual.reshape(M, N)
+    # TMA / 16-byte vector copies need 16-byte aligned row strides: on GPU, zero-pad K and N up to a
+    # multiple of 16 bytes (zeros in K add nothing; padded N columns are computed and dropped).
+    Np, Kp = padded_nk(arch, N, K, a.element_size())
+    if Kp != K:
+        a2 = torch.nn.functional.pad(a2, (0, Kp - K))
+        bs = [torch.nn.functional.pad(b, (0, Kp - K) if b_transposed else (0, 0, 0, Kp - K)) for b in bs]
+    if Np != N:
+        bs = [torch.nn.functional.pad(b, (0, 0, 0, Np - N) if b_transposed else (0, Np - N)) for b in bs]
+        biases = [None if x is None else torch.nn.functional.pad(x, (0, Np - N)) for x in biases]
+        res2 = None if res2 is None else torch.nn.functional.pad(res2, (0, Np - N))
+    args = [_contig(a2), *[_contig(b) for b in bs]]
     has_bias = biases[0] is not None
     if has_bias:
         args += [_contig(x) for x in biases]
-    if residual is not None:
-        args.append(_contig(residual.reshape(M, N)))
-    direct = out is not None and out.is_contiguous()
-    c = out.view(M, N) if direct else torch.empty((M, N), dtype=a.dtype, device=a.device)
-    kern = compiled_kernel(arch, N, K, a.dtype, config, b_transposed=b_transposed, has_bias=has_bias, act=act,
-                           has_residual=residual is not None, gated=gated)
+    if res2 is not None:
+        args.append(_contig(res2))
+    direct = out is not None and out.is_contiguous() and Np == N
+    c = out.view(M, N) if direct else torch.empty((M, Np), dtype=a.dtype, device=a.device)
+    kern = compiled_kernel(arch, Np, Kp, a.dtype, config, b_transposed=b_transposed, has_bias=has_bias, act=act,
+                           has_residual=res2 is not None, gated=gated)
     kern(*args, c)
     if direct:
         return out
+    if Np != N:
+        c = c[:, :N]
     if out is not None:
-        return out.copy_(c.view(out_shape))
-    return c.view(out_shape)
+        return out.copy_(c.reshape(out_shape))
+    return c.reshape(out_shape)
 
 
 def _resolve_config(config, arch, dtype, gated):
@@ -403,7 +467,7 @@ TUNE_CANDIDATES = {
 
 def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False) -> TileConfig:
     """Default config, or the tuned one (kernels/tuning.py) for 16-bit GPU GEMMs with M >= 128."""
-    from .tuning import pick_config, shape_bucket
+    from .tuning import cached_entry, pick_config, shape_bucket, tuning_enabled
 
     acc = 2 if gated else 1
     default = default_config(arch, dtype, accumulators=acc, m=M)
@@ -419,11 +483,24 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
     d = {k: d[k] for k in ("block_tile", "stages", "threads")}
     d["block_tile"] = tuple(d["block_tile"])
 
+    mkey = (kind, arch, key)
+    hit = _SELECTED.get(mkey)
+    if hit is not None:
+        return hit
+
     def bench(c):
         return run(TileConfig(**c).validate(arch, dtype, acc))
 
-    chosen = pick_config(kind, arch, key, cands, d, bench)
-    return TileConfig(**chosen)
+    if tuning_enabled(arch) and len(cands) > 1 and cached_entry(kind, arch, key) is None:
+        # compile every candidate in parallel processes first (disk cache), then time them one by one
+        Np, Kp = padded_nk(arch, N, K, torch.empty((), dtype=dtype).element_size())
+        precompile([(arch, Np, Kp, dtype, TileConfig(**c), b_t, has_bias, act, has_res, gated, None) for c in cands])
+    chosen = TileConfig(**pick_config(kind, arch, key, cands, d, bench))
+    _SELECTED[mkey] = chosen
+    return chosen
+
+
+_SELECTED: dict[tuple, TileConfig] = {}
 
 
 def _valid(c, arch, dtype, acc):
