@@ -15,6 +15,9 @@ import torch
 from tests.onnx.exports import Block, export
 from tkopt.cli import main
 
+# The TorchScript exporter is deprecated upstream but is one of the two exporters users run.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:

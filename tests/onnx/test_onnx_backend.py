@@ -20,6 +20,9 @@ from tkopt.frontends.onnx import import_onnx
 from tkopt.ir import Graph, Node, Value
 from tkopt.onnx_runtime_ref import run_model
 
+# The TorchScript exporter is deprecated upstream but is one of the two exporters users run.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 
 def _ort(model: onnx.ModelProto | Path, feeds: dict) -> list[np.ndarray]:
     src = str(model) if isinstance(model, Path) else model.SerializeToString()
@@ -188,3 +191,16 @@ def test_optimize_and_compare_with_int_mask(tmp_path: Path) -> None:
     assert rep.passes.total_fused >= 1 and rep.accuracy is not None and rep.accuracy.ok
     assert rep.accuracy.inputs == {"x": [2, 8, 16], "attention_mask": [2, 8]}
     assert rep.to_dict()["accuracy"]["outputs"][0]["ok"]
+
+
+def test_reoptimizing_is_idempotent_and_mismatch_is_caught(ts_model: Path) -> None:
+    optimized, rep = optimize_onnx(ts_model, report=False)
+    again, rep2 = optimize_onnx(optimized, report=False)
+    assert rep.passes.total_fused > 0 and rep2.passes.total_fused == 0
+    assert list(again.graph.node) == list(optimized.graph.node)
+    broken = onnx.ModelProto()
+    broken.CopyFrom(optimized)
+    gemm = next(n for n in broken.graph.node if n.op_type == "FusedGemm")
+    next(a for a in gemm.attribute if a.name == "activation").s = b"relu"
+    acc = compare_onnx(ts_model, broken)
+    assert not acc.ok and acc.outputs[0].max_abs > 1e-3

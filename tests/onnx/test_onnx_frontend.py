@@ -12,11 +12,11 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.onnx.exports import Block, export
+from tkopt.backends.onnx_model import check, export_onnx
 from tkopt.frontends.onnx import ModelLoadError, import_onnx
 
-
-def _ops(graph) -> list[str]:
-    return [n.op for n in graph.nodes]
+# The TorchScript exporter is deprecated upstream but is one of the two exporters users run.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def test_torchscript_opset17(ts_model: Path) -> None:
@@ -139,3 +139,25 @@ def test_relative_external_data_from_other_cwd(dynamo_model: Path, tmp_path: Pat
         shutil.copy(f, tmp_path / f.name)
     monkeypatch.chdir(Path(__file__).parent)
     assert import_onnx(tmp_path / dynamo_model.name).meta["external_data"]
+
+
+def test_subgraph_outer_reads_are_dependencies() -> None:
+    """An If branch reading an outer value by name: the IR sees it as an input of the If node."""
+    then_g = helper.make_graph([helper.make_node("Identity", ["r"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    else_g = helper.make_graph([helper.make_node("Neg", ["r"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+        helper.make_node("Greater", ["s", "zero"], ["c"]),
+        helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g),
+    ]
+    zero = numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero")
+    g = import_onnx(_tiny(nodes=nodes, inits=[zero]))
+    if_node = g.nodes[-1]
+    assert [v.name for v in if_node.inputs] == ["c", "r"]
+    assert g.to_networkx().has_edge(g.nodes[0], if_node)
+    model = export_onnx(g)
+    check(model)
+    assert list(model.graph.node) == nodes

@@ -11,6 +11,7 @@ canonical-op contract, so passes read one form whatever the opset. The ModelProt
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,10 @@ def _constant_value(attrs: dict[str, Any]) -> np.ndarray | None:
     return None  # sparse_value / strings: left as the raw attribute
 
 
+@functools.cache
 def _schema_defaults(op: str, domain: str, version: int) -> dict[str, Any]:
-    """Default attribute values from ONNX's op schema, so that passes never need to know them."""
+    """Default attribute values from ONNX's op schema, so that passes never need to know them.
+    (Cached: callers copy the dict before adding to it.)"""
     try:
         sch = onnx.defs.get_schema(op, version, domain)
     except onnx.defs.SchemaError:
@@ -245,7 +248,7 @@ def import_onnx(model: str | Path | onnx.ModelProto, base_dir: str | Path | None
 
 def _node(n: onnx.NodeProto, value: Any, opsets: dict[str, int], graph: Graph) -> Node:
     domain = "" if n.domain == "ai.onnx" else n.domain
-    attrs = _schema_defaults(n.op_type, domain, opsets.get(domain, 1)) if domain == "" else {}
+    attrs = dict(_schema_defaults(n.op_type, domain, opsets.get(domain, 1))) if domain == "" else {}
     attrs.update({a.name: _attr_value(a) for a in n.attribute})
     inputs = [value(i) if i else None for i in n.input]
     outputs = [value(o) for o in n.output]
