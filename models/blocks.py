@@ -295,10 +295,21 @@ class ViTBlock(nn.Module):
 # -------------------------------------------------------------------------------------- registry
 
 
+def _perturb_norms(model: nn.Module) -> None:
+    """Give norm weights/biases non-default values, so a fusion that drops or swaps them shows up
+    numerically (and exporters cannot dedupe identical all-ones/all-zeros initializers)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.LayerNorm, RMSNorm)):
+                for p in m.parameters(recurse=False):
+                    p.add_(0.1 * torch.randn_like(p))
+
+
 def _build(cls: type[nn.Module], cfg: object | None = None) -> Callable[[], tuple[nn.Module, tuple]]:
     def make() -> tuple[nn.Module, tuple]:
         torch.manual_seed(SEED)
         model = cls(cfg).eval()
+        _perturb_norms(model)
         return model, model.example_inputs()
 
     make.__doc__ = f"{cls.__name__} (seed {SEED}, eval mode) and its example inputs."

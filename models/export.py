@@ -44,11 +44,10 @@ def _output_names(model: nn.Module, inputs: tuple) -> list[str]:
 def dynamic_shapes(model: nn.Module, inputs: tuple) -> dict[str, dict[int, Dim]]:
     """torch.export dynamic_shapes: dim 0 -> Dim("batch"), dim 1 -> Dim("seq") for every tensor input.
 
-    A model with `cfg.max_seq` (a mask buffer sliced to the sequence length) gets seq < max_seq:
-    torch.export specializes the full-length slice (guard seq != max_seq), so that one value is excluded.
+    A model with `max_seq` or `cfg.max_seq` (a mask buffer or position table sliced to the sequence
+    length) gets seq < max_seq: torch.export specializes the full-length slice (guard seq != max_seq).
     """
-    cfg = getattr(model, "cfg", None)
-    max_seq = getattr(cfg, "max_seq", None)
+    max_seq = getattr(model, "max_seq", None) or getattr(getattr(model, "cfg", None), "max_seq", None)
     batch = Dim("batch", min=1, max=1024)
     seq = Dim("seq", min=1, max=max_seq - 1 if max_seq else 4096)
     shapes: dict[str, dict[int, Dim]] = {}

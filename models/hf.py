@@ -1,0 +1,99 @@
+"""Tiny Hugging Face BERT, GPT-2 and Llama with random weights (no downloads).
+
+The real modelling code is what users feed the optimizer, so the passes are checked against it.
+Each builder returns (model in eval mode, example inputs). The model is wrapped so that forward
+takes (input_ids, attention_mask) tensors and returns the last hidden state tensor only: no
+KV cache (use_cache=False) and no output dataclass, which keeps torch.export and both ONNX
+exporters on the plain tensor path. transformers is a test extra, imported lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+SEED = 0
+VOCAB = 128
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "tkopt.models.hf needs the 'transformers' package (pip install 'tkopt[test]')"
+        ) from e
+    return transformers
+
+
+class HFWrapper(nn.Module):
+    """forward(input_ids, attention_mask) -> last_hidden_state, cache off, tuple outputs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        # Position embeddings cap the sequence length; tkopt.models.export reads this for Dim("seq").
+        self.max_seq = model.config.max_position_embeddings
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=False)
+        return out[0]
+
+
+def example_inputs(batch: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and an all-ones int64 attention mask (padding would differ between
+    attention implementations only at padded positions, which are garbage by design)."""
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return ids, torch.ones(batch, seq, dtype=torch.int64)
+
+
+def _finish(model: nn.Module) -> tuple[nn.Module, tuple]:
+    return HFWrapper(model).eval(), example_inputs()
+
+
+def _check_impl(attn_implementation: str) -> None:
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+
+
+def hf_bert(attn_implementation: str = "eager") -> tuple[nn.Module, tuple]:
+    """2-layer BertModel, hidden 64, 4 heads (post-norm, erf GELU, padding mask)."""
+    _check_impl(attn_implementation)
+    tf = _transformers()
+    cfg = tf.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=128, attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(SEED)
+    return _finish(tf.BertModel(cfg, add_pooling_layer=False))
+
+
+def hf_gpt2(attn_implementation: str = "eager") -> tuple[nn.Module, tuple]:
+    """2-layer GPT2Model, hidden 64, 4 heads (pre-norm, Conv1D linears, tanh GELU, causal)."""
+    _check_impl(attn_implementation)
+    tf = _transformers()
+    cfg = tf.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(SEED)
+    return _finish(tf.GPT2Model(cfg))
+
+
+def hf_llama(attn_implementation: str = "eager") -> tuple[nn.Module, tuple]:
+    """2-layer LlamaModel, hidden 64, 4 heads / 2 KV heads (RMSNorm, RoPE, GQA, SwiGLU, causal)."""
+    _check_impl(attn_implementation)
+    tf = _transformers()
+    cfg = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=128, attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(SEED)
+    return _finish(tf.LlamaModel(cfg))
+
+
+HF_MODELS = {"hf_bert": hf_bert, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}
