@@ -82,16 +82,16 @@ def test_nvcc_compiles(arch):
 
 
 GPU_ARCHS = ["sm90", "sm80"]
-GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", GPU_ARCHS)
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("n,c,h,w,f,k,s,p,d,act,has_bias", [
-    (2, 64, 14, 14, 128, 3, 1, 1, 1, "relu", True),
-    (3, 3, 17, 15, 10, (3, 2), (2, 1), (1, 0), (1, 2), "gelu", False),
-    (1, 128, 9, 9, 200, 1, 1, 0, 1, "silu", True),
+@pytest.mark.parametrize("n,c,h,w,f,k,s,p,d,act,has_bias,dtype", [
+    (2, 64, 14, 14, 128, 3, 1, 1, 1, "relu", True, torch.float16),
+    (2, 64, 14, 14, 128, 3, 1, 1, 1, "relu", True, torch.bfloat16),
+    (2, 64, 14, 14, 128, 3, 1, 1, 1, "relu", True, torch.float32),
+    (3, 3, 17, 15, 10, (3, 2), (2, 1), (1, 0), (1, 2), "gelu", False, torch.float16),
+    (1, 128, 9, 9, 200, 1, 1, 0, 1, "silu", True, torch.bfloat16),
 ])
 def test_gpu(arch, dtype, n, c, h, w, f, k, s, p, d, act, has_bias, monkeypatch):
     monkeypatch.setenv("TKOPT_AUTOTUNE", "0")

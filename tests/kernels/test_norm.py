@@ -144,20 +144,28 @@ def test_nvcc_compiles(name, arch):
 # GPU numerics (device only)
 
 GPU_ARCHS = ["sm90", "sm80"]
-GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+# fp16 on every case; bf16 and fp32 on a subset (each case x dtype x arch is one compile on the device)
+GPU_CASES = [
+    ("layer", 1000, 4096, True, True, True, True, F16),
+    ("layer", 1000, 4096, True, True, True, True, BF16),
+    ("layer", 1000, 4096, True, True, True, True, F32),
+    ("layer", 1, 768, True, True, True, False, F16),
+    ("layer", 37, 4095, False, True, False, True, F16),
+    ("layer", 37, 4095, False, True, False, True, F32),
+    ("rms", 1000, 4096, True, True, False, True, F16),
+    ("rms", 1000, 4096, True, True, False, True, BF16),
+    ("rms", 333, 1000, True, False, False, False, F16),
+    ("rms", 333, 1000, True, False, False, False, BF16),
+    ("rms", 5, 8192, False, True, False, True, F32),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", GPU_ARCHS)
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("kind,m,n,has_res,has_w,has_b,ret_sum", [
-    ("layer", 1000, 4096, True, True, True, True),
-    ("layer", 1, 768, True, True, True, False),
-    ("layer", 37, 4095, False, True, False, True),
-    ("rms", 1000, 4096, True, True, False, True),
-    ("rms", 333, 1000, True, False, False, False),
-    ("rms", 5, 8192, False, True, False, True),
-])
+@pytest.mark.parametrize("kind,m,n,has_res,has_w,has_b,ret_sum,dtype", GPU_CASES)
 def test_gpu(arch, dtype, kind, m, n, has_res, has_w, has_b, ret_sum, monkeypatch):
     monkeypatch.setenv("TKOPT_AUTOTUNE", "0")
     dev = "cuda"
