@@ -31,7 +31,14 @@ os.environ.setdefault("TKOPT_AUTOTUNE", "1")
 from tkopt.kernels import tuning  # noqa: E402
 from tkopt.kernels.config import TileConfig, default_config  # noqa: E402
 from tkopt.kernels.gated_mlp import gated_mlp  # noqa: E402
-from tkopt.kernels.gemm import compiled_kernel, gemm, gemm_custom, precompile  # noqa: E402
+from tkopt.kernels.gemm import (  # noqa: E402
+    TUNE_CANDIDATES,
+    _valid,
+    compiled_kernel,
+    gemm,
+    gemm_custom,
+    precompile,
+)
 from tkopt.kernels.reference import gated_mlp_ref, gemm_ref  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
@@ -69,7 +76,7 @@ def main():
     tf = lambda t: flops / (t * 1e-3) / 1e12  # noqa: E731
 
     # Precompile (parallel processes) every kernel the run needs except the cold-timing one.
-    sm90_cands = [TileConfig(**c) for c in __import__("tkopt.kernels.gemm", fromlist=["x"]).TUNE_CANDIDATES["sm90"]]
+    sm90_cands = [TileConfig(**c) for c in TUNE_CANDIDATES["sm90"] if _valid(c, "sm90", torch.float16, 1)]
     sm80_cfg = default_config("sm80", torch.float16)
     gated_cfg = default_config("sm90", torch.float16, accumulators=2)
     keys = [("sm90", N, K, torch.float16, c, True, True, "gelu_tanh", False, False, None) for c in sm90_cands]
@@ -96,7 +103,7 @@ def main():
     log(f"tuning (bench {len(sm90_cands)} candidates) {time.time() - t:.1f} s")
     entry = None
     for f in os.listdir(tuning.cache_dir()):
-        if f.startswith("tune-gemm-sm90"):
+        if f.startswith("tune-gemm-sm90") and f.endswith(".json"):
             entry = list(json.load(open(os.path.join(tuning.cache_dir(), f))).values())[0]
     if entry:
         log("tuning timings (ms): " + "; ".join(f"{c['block_tile']} s{c['stages']} t{c['threads']}: "

@@ -273,7 +273,10 @@ def _compile(arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m):
                         has_residual=has_res, gated=gated, m=m)
     if arch == "cpu":
         return tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
-    return tilelang.compile(func, target=tl_target(arch))
+    # sm80: also embed compute_80 PTX, so the sm80 variant runs on newer GPUs (e.g. forced on an H200 via
+    # TKOPT_ARCH=sm80); sm_80 SASS alone does not load on sm_90. One token: libgen drops repeated tokens.
+    flags = ["--generate-code=arch=compute_80,code=compute_80"] if arch == "sm80" else None
+    return tilelang.compile(func, target=tl_target(arch), compile_flags=flags)
 
 
 def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,
@@ -451,7 +454,6 @@ def gemm_custom(a, b, config, bias=None, act=None, residual=None, b_transposed=F
 TUNE_CANDIDATES = {
     "sm90": [
         dict(block_tile=(128, 256, 64), stages=3, threads=256),
-        dict(block_tile=(128, 256, 64), stages=4, threads=256),
         dict(block_tile=(256, 128, 64), stages=3, threads=256),
         dict(block_tile=(128, 128, 64), stages=4, threads=256),
         dict(block_tile=(128, 256, 32), stages=4, threads=256),
