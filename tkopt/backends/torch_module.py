@@ -18,6 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import fx
+from torch._prims_common import (
+    compute_elementwise_output_logical_to_physical_perm,
+    invert_perm,
+    is_non_overlapping_and_dense_or_false,
+)
 
 from tkopt.frontends.fx import node_val
 from tkopt.ir import Graph, Node, Value
@@ -118,10 +123,28 @@ class _Rebuilder:
         for i, v in enumerate(node.outputs):
             out = self.new.call_function(operator.getitem, (call, i)) if multi else call
             if isinstance(v.origin, fx.Node):
+                val = node_val(v.origin)
+                if val is not None:
+                    out.meta["val"] = val
+                    out = self._restride(out, val)
                 self.env[v.origin] = out  # SymInt nodes copied later may read it (sym_size)
-                if node_val(v.origin) is not None:
-                    out.meta["val"] = node_val(v.origin)
             self.vals[id(v)] = out
+
+    def _restride(self, out: fx.Node, val: torch.Tensor) -> fx.Node:
+        """Give a custom op's (contiguous) result the memory order the replaced node's result had.
+
+        Decomposed graphs rely on it: a reshape traced as aten.view over SDPA's bshd-ordered output
+        only works on that order. Dense layouts are rebuilt as permute -> contiguous -> permute back.
+        """
+        if val.is_contiguous() or not is_non_overlapping_and_dense_or_false(val):
+            return out
+        perm, _ = compute_elementwise_output_logical_to_physical_perm(val)
+        aten = torch.ops.aten
+        phys = self.new.call_function(aten.permute.default, (out, perm))
+        dense = self.new.call_function(aten.clone.default, (phys,), {"memory_format": torch.contiguous_format})
+        restrided = self.new.call_function(aten.permute.default, (dense, invert_perm(perm)))
+        restrided.meta["val"] = val
+        return restrided
 
     def emit(self, node: Node) -> None:
         if node.is_fused:

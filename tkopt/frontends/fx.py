@@ -42,7 +42,10 @@ def node_val(node: fx.Node) -> Any:
 
 
 def _dim(d: Any) -> int | str:
-    return d if isinstance(d, int) else str(d)  # a SymInt prints as its expression, e.g. "s0" or "2*s0"
+    if isinstance(d, torch.SymInt):
+        known = d.node.maybe_as_int()  # specialised since the value was recorded
+        return str(d) if known is None else known  # the expression, e.g. "s0" or "2*s0"
+    return d
 
 
 def _is_tensor(x: Any) -> bool:
