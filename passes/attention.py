@@ -19,9 +19,9 @@ import numpy as np
 
 from tkopt.ir import Graph, Node, Value
 
+from .attention_shapes import LOCAL_EVALUATORS, Shapes, as_int, same
 from .base import FusionError, PassResult, fuse
-from .canonicalize import EVALUATORS
-from .patterns import GraphIndex, const_array, norm_axis
+from .patterns import GraphIndex, norm_axis
 from .pipeline import register
 
 IDENT = (0, 1, 2, 3)
@@ -44,41 +44,43 @@ class _Refuse(Exception):
 class _View(GraphIndex):
     """The graph with producers and users indexed (rebuilt after every fusion), plus constants."""
 
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        self.shapes = Shapes(self)
+
     def only_user(self, v: Value, node: Node) -> bool:
         return self.sole_user(v) is node
+
+    def shape_readers(self, v: Value, node: Node) -> list[Node] | None:
+        """The Shape nodes reading `v` besides `node`, when those are its only other readers.
+
+        ONNX exports read shapes of the per-head tensors (to size masks and reshapes). Such a read
+        of a value the fusion absorbs is rewritten as a Shape of the value it is a permutation of
+        (`_rewrite_shape_reads`): ONNX graphs only, as the torch backend re-emits original nodes only.
+        """
+        users = self.users(v)
+        if node not in users or self.is_output(v) or sum(1 for i in node.inputs if i is v) != 1:
+            return None
+        others = [u for u in users if u is not node]
+        if others and (self.graph.meta.get("onnx_model") is None or any(u.op != "Shape" for u in others)):
+            return None
+        return others
 
     def other_user(self, v: Value, node: Node) -> str:
         others = [u.name for u in self.users(v) if u is not node]
         return others[0] if others else "the graph output"
 
-    def const(self, v: Value | None, depth: int = 12) -> np.ndarray | None:
-        """The data of `v` if it is constant or computed from constants (and static shapes) only.
+    def const(self, v: Value | None) -> np.ndarray | None:
+        """The data of `v` if it is constant or computed from constants and shapes only.
 
-        Canonicalize folds small constant subgraphs; causal masks are often larger than its limit,
-        so they are evaluated here (with its evaluators), without changing the graph.
+        Canonicalize folds small constant subgraphs with static shapes; causal masks are often
+        larger than its limit and scales often come from a symbolic shape, so both are evaluated here.
         """
-        data = const_array(self, v)
-        p = self.producer(v)
-        if data is not None or p is None or depth == 0 or p.op not in EVALUATORS or len(p.outputs) != 1:
-            return data
-        if p.op in ("Shape", "Size"):
-            ins: list[np.ndarray | None] = [None]
-            shape = None if p.inputs[0] is None else p.inputs[0].shape
-            if shape is None or not all(isinstance(d, int) for d in shape):
-                return None
-        else:
-            ins = [None if i is None else self.const(i, depth - 1) for i in p.inputs]
-            if any(a is None for a, i in zip(ins, p.inputs, strict=True) if i is not None):
-                return None
-        try:
-            out = np.asarray(EVALUATORS[p.op](p, ins))
-        except (ValueError, TypeError, IndexError, KeyError):
-            return None
-        return None if out.dtype == object else out
+        return self.shapes.const(v)
 
     def scalar(self, v: Value | None) -> float | None:
         """The value of a constant whose elements are all equal (a broadcast scalar), else None."""
-        c = const_array(self, v)
+        c = self.const(v)
         if c is None or c.size == 0 or c.dtype == bool:
             return None
         flat = c.reshape(-1).astype(np.float64)
@@ -130,28 +132,54 @@ def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, li
     x = unsq.inputs[0]
     axes = unsq.attrs.get("axes")
     axes = [axes] if isinstance(axes, int) else axes
-    if x.rank != 4 or not axes or len(axes) != 1 or u_out.rank != 5 or x5.rank != 5:
+    src, exp_shape = view.shapes.shape(u_out), view.shapes.shape(x5)
+    out = view.shapes.shape(reshape.outputs[0])
+    if x.rank != 4 or not axes or len(axes) != 1 or src is None or exp_shape is None or out is None:
+        return None
+    if len(src) != 5 or len(exp_shape) != 5 or len(out) != 4:
         return None
     a = norm_axis(int(axes[0]), 5)
-    src, exp_shape, out = u_out.shape, x5.shape, reshape.outputs[0].shape
-    if src is None or exp_shape is None or out is None or len(out) != 4:
+    if any(i != a and not same(src[i], exp_shape[i]) for i in range(5)):  # only the new axis broadcasts
         return None
-    # Only axis a broadcasts; every other axis keeps its size.
-    if any(i != a and not _dims_equal(src[i], exp_shape[i]) for i in range(5)):
-        return None
-    g = exp_shape[a]
-    if not isinstance(g, int):
+    g = as_int(exp_shape[a])
+    if g is None:
         return None
     # The reshape merges axis a with a neighbour (a+1 -> tile order, a-1 -> interleave order).
     for lo in (a - 1, a):
         if lo < 0 or lo + 1 > 4:
             continue
-        merged = [*exp_shape[:lo], None, *exp_shape[lo + 2:]]
-        other = exp_shape[lo + 1] if lo == a else exp_shape[lo]
-        keep = all(_dims_equal(out[i], merged[i]) for i in range(4) if i != lo)
-        heads_ok = isinstance(other, int) and out[lo] == other * g
-        if keep and heads_ok:
+        rest = [*exp_shape[:lo], *exp_shape[lo + 2:]]
+        keep = all(same(o, r) for o, r in zip([*out[:lo], *out[lo + 1:]], rest, strict=True))
+        if keep and same(out[lo], exp_shape[lo] * exp_shape[lo + 1]):
             return x, a, lo, g, nodes
+    return None
+
+
+def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node]] | None:
+    """Reshape(Transpose(Reshape(x, (B*H, S, D)), [0, 2, 1]), (B, H, D, S)): x with its last two axes
+    swapped, as the dynamo exporter writes K^T for SDPA. Proven on symbolic shapes: (source, nodes)."""
+    nodes = [r2]
+    t_out = _strip(view, r2.inputs[0], r2, nodes)
+    t = view.producer(t_out)
+    if t is None or t.op != "Transpose" or list(t.attrs.get("perm") or ()) != [0, 2, 1]:
+        return None
+    if not view.only_user(t_out, nodes[-1]):
+        return None
+    nodes.append(t)
+    r1_out = _strip(view, t.inputs[0], t, nodes)
+    r1 = view.producer(r1_out)
+    if r1 is None or r1.op != "Reshape" or not view.only_user(r1_out, nodes[-1]):
+        return None
+    nodes.append(r1)
+    x = r1.inputs[0]
+    xs, s1, s2 = view.shapes.shape(x), view.shapes.shape(r1_out), view.shapes.shape(r2.outputs[0])
+    if xs is None or s1 is None or s2 is None or (len(xs), len(s1), len(s2)) != (4, 3, 4):
+        return None
+    b, h, sq, d = xs
+    if same(s1[0], b * h) and same(s1[1], sq) and same(s1[2], d) and all(
+        same(o, w) for o, w in zip(s2, (b, h, d, sq), strict=True)
+    ):
+        return x, nodes
     return None
 
 
@@ -165,6 +193,7 @@ class _Src:
     scale: float = 1.0
     group: int = 1
     nodes: list[Node] = field(default_factory=list)
+    reads: list[tuple[Value, tuple[int, ...], list[Node]]] = field(default_factory=list)  # absorbed, net, Shapes
 
 
 @dataclass
@@ -181,8 +210,11 @@ def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool) -> _P
     while True:
         cur = st.value
         p = view.producer(cur)
-        if p is None or not view.only_user(cur, reader):
+        readers = view.shape_readers(cur, reader)
+        if p is None or readers is None:
             return out
+        if readers:
+            st = replace(st, reads=[*st.reads, (cur, st.net, readers)])
         if p.op in PASS_THROUGH or (p.op == "Expand" and cur.shape is not None and p.inputs[0].shape == cur.shape):
             st, reader = replace(st, value=p.inputs[0], nodes=[*st.nodes, p]), p
         elif p.op == "Transpose" and len(p.attrs.get("perm") or ()) == 4:
@@ -192,14 +224,20 @@ def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool) -> _P
             c, x = view.scalar(p.inputs[1]), p.inputs[0]
             if c is None and p.op == "Mul":
                 c, x = view.scalar(p.inputs[0]), p.inputs[1]
-            if c is None or c == 0 or (x.shape is not None and x.shape != cur.shape):
+            xs, cs = view.shapes.shape(x), view.shapes.shape(cur)
+            if c is None or c == 0 or xs is None or cs is None or len(xs) != len(cs):
+                return out
+            if not all(same(a, b) for a, b in zip(xs, cs, strict=True)):
                 return out
             if not allow_scale:
                 out.scaled_by = p
                 return out
             factor = c if p.op == "Mul" else 1.0 / c
             st, reader = replace(st, value=x, scale=st.scale * factor, nodes=[*st.nodes, p]), p
-        elif st.group == 1 and (rep := _head_repeat(view, p, head_axis=st.net[1], out=out)) is not None:
+        elif p.op == "Reshape" and (sw := _swap_via_3d(view, p)) is not None:
+            net = _compose(st.net, list(SWAP))
+            st, reader = replace(st, value=sw[0], net=net, nodes=[*st.nodes, *sw[1]]), sw[1][-1]
+        elif not st.reads and st.group == 1 and (rep := _head_repeat(view, p, st.net[1], out)) is not None:
             x, g, rep_nodes = rep
             st, reader = replace(st, value=x, group=g, nodes=[*st.nodes, *rep_nodes]), rep_nodes[-1]
         else:
@@ -251,11 +289,18 @@ class _Match:
     k_transposed: bool  # True: K enters as K^T (MatMul form); False: as K (SDPA)
 
 
-def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], Value]:
-    """Pick the layout and the deepest consistent Q/K/V sources: (layout, q, k, v, extra nodes, output)."""
+Reads = list[tuple[Value, tuple[int, ...], list[Node]]]
+
+
+def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], Value, Reads]:
+    """Pick the layout and the deepest consistent Q/K/V sources.
+
+    Returns (layout, q, k, v, output transpose nodes, output, Shape reads of the BHSD output).
+    """
     users = view.users(m.out)
-    t_out = users[0] if len(users) == 1 and not view.is_output(m.out) else None
-    bshd_out = t_out is not None and t_out.op == "Transpose" and tuple(t_out.attrs.get("perm") or ()) == BSHD
+    t_out = next((u for u in users if u.op == "Transpose" and tuple(u.attrs.get("perm") or ()) == BSHD), None)
+    out_reads = None if t_out is None else view.shape_readers(m.out, t_out)
+    bshd_out = out_reads is not None
     k_nets = {"bhsd": SWAP, "bshd": BSHD_KT} if m.k_transposed else {"bhsd": IDENT, "bshd": BSHD}
     for layout in (("bshd", "bhsd") if bshd_out else ("bhsd",)):
         qn = IDENT if layout == "bhsd" else BSHD
@@ -265,8 +310,11 @@ def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], 
         pairs = [(k, v) for k in reversed(ks) for v in reversed(vs) if k.group == v.group]
         if qs and pairs:
             k, v = pairs[0]
-            extra = [t_out] if layout == "bshd" else []
-            return layout, qs[-1], k, v, extra, t_out.outputs[0] if layout == "bshd" else m.out
+            if layout == "bhsd":
+                return layout, qs[-1], k, v, [], m.out, []
+            assert t_out is not None and out_reads is not None
+            reads: Reads = [(m.out, IDENT, out_reads)] if out_reads else []  # O (bhsd) = permute(O (bshd), BSHD)
+            return layout, qs[-1], k, v, [t_out], t_out.outputs[0], reads
     kt = "K^T" if m.k_transposed else "K"
     want = "a swap of its last two axes" if m.k_transposed else "no permutation"
     if not any(s.net in k_nets.values() for s in m.k.states):
@@ -279,7 +327,7 @@ def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], 
 
 
 def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> None:
-    layout, q, k, v, extra, out = _choose(view, m)
+    layout, q, k, v, extra, out, out_reads = _choose(view, m)
     if m.k_transposed:  # decomposed: no scale anywhere means 1
         unscaled = m.scale is None and q.scale == 1.0 and k.scale == 1.0
         scale = (1.0 if m.scale is None else m.scale) * q.scale * k.scale
@@ -307,12 +355,32 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
         raise _Refuse(f"query heads {hq} are not a multiple of key/value heads {hk}")
     inputs = [q.value, k.value, v.value, m.mask]
     nodes = _with_constants(view, [*m.nodes, *q.nodes, *k.nodes, *v.nodes, *extra], inputs)
+    for s in (q, k, v):
+        _rewrite_shape_reads(view.graph, s.reads, s.value, s.net, nodes)
+    _rewrite_shape_reads(view.graph, out_reads, out, BSHD, nodes)
     attrs = {"scale": 0.0 if scale is None else float(scale), "causal": m.causal, "layout": layout}
     try:
         fuse(view.graph, nodes, "FusedAttention", inputs, [out], attrs)
     except FusionError as e:
         raise _Refuse(str(e)) from None
     result.fused += 1
+
+
+def _rewrite_shape_reads(graph: Graph, reads: Reads, src: Value, src_net: tuple[int, ...], fused: list[Node]) -> None:
+    """Replace Shape(x) of absorbed values x by Gather(Shape(src), p), where x = permute(src, p).
+
+    `reads` holds (x, net, Shape nodes) with operand = permute(x, net); operand = permute(src, src_net).
+    """
+    for x, net, shapes in reads:
+        inv = [net.index(j) for j in range(len(net))]
+        perm = [src_net[inv[j]] for j in range(len(net))]
+        for sh in (s for s in shapes if all(s is not n for n in fused)):  # absorbed ones read inside
+            idx = perm[sh.attrs.get("start", 0):sh.attrs.get("end")]
+            full = Value(graph.fresh_name(f"{src.name}_shape"), "int64", (len(perm),))
+            index = Value(graph.fresh_name(f"{x.name}_dims"), "int64", (len(idx),), const=np.array(idx, np.int64))
+            graph.add_node(Node("Shape", [src], [full], {}, name=graph.fresh_name("Shape")))
+            graph.add_node(Node("Gather", [full, index], sh.outputs, {"axis": 0}, name=graph.fresh_name("Gather")))
+            graph.remove_nodes([sh])
 
 
 def _with_constants(view: _View, nodes: list[Node], keep: list[Value | None]) -> list[Node]:
@@ -326,11 +394,11 @@ def _with_constants(view: _View, nodes: list[Node], keep: list[Value | None]) ->
     for n in out:  # grows while iterating: a breadth-first walk up the constant producers
         for v in n.inputs:
             p = view.producer(v)
-            if p is None or id(p) in inside or id(v) in kept or p.op not in EVALUATORS:
+            if p is None or id(p) in inside or id(v) in kept or p.op not in LOCAL_EVALUATORS:
                 continue
             if any(view.is_output(o) or any(id(u) not in inside for u in view.users(o)) for o in p.outputs):
                 continue
-            if view.const(v) is not None:
+            if view.shapes.value(v) is not None:
                 inside.add(id(p))
                 out.append(p)
     return out
@@ -367,9 +435,8 @@ def _broadcasts(mask: Value, target: tuple[object, ...]) -> bool:
     if len(mask.shape) > len(target):
         return False
     for d, t in zip(reversed(mask.shape), reversed(target), strict=False):
-        if d == 1 or d is None or t is None or d == t:
-            continue
-        return False
+        if isinstance(d, int) and isinstance(t, int) and d not in (1, t):
+            return False  # symbolic dims cannot be proven different
     return True
 
 

@@ -1,0 +1,176 @@
+"""Symbolic shapes and shape-derived constants, for matching attention in dynamic-shape exports.
+
+ONNX shape inference loses dims through the exporters' Shape/Gather/Concat -> Reshape chains (the
+TorchScript exporter's head split comes out as (batch, seq, 4, unk__0)), and the scale, the GQA
+expand and the causal mask are computed from those shapes. Here dims are sympy expressions (named
+dims become symbols, unknown ones unique symbols) and shape vectors are evaluated symbolically with
+canonicalize's evaluators, so "this Reshape merges exactly these two axes" and "the scale is
+1/sqrt(16)" can be proven without static shapes. The graph is never changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import sympy
+
+from tkopt.ir import Node, Value
+
+from .canonicalize import EVALUATORS
+from .patterns import GraphIndex, const_array, norm_axis
+
+Shape = tuple[sympy.Expr, ...]
+ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Cast", "Identity", "Neg", "Where", "Pow", "Sqrt")
+
+
+def _trilu(n: Node, ins: Sequence[np.ndarray | None]) -> np.ndarray:
+    k = int(np.asarray(ins[1]).reshape(-1)[0]) if len(ins) > 1 and ins[1] is not None else int(n.attrs.get("k", 0))
+    return np.triu(ins[0], k) if n.attrs.get("upper", 1) else np.tril(ins[0], k)
+
+
+LOCAL_EVALUATORS = {**EVALUATORS, "Trilu": _trilu}
+
+
+def same(a: sympy.Expr | None, b: sympy.Expr | None) -> bool:
+    """Provably equal dims."""
+    return a is not None and b is not None and sympy.simplify(a - b) == 0
+
+
+def as_int(d: sympy.Expr | None) -> int | None:
+    return int(d) if d is not None and d.is_Integer else None
+
+
+class Shapes:
+    """Symbolic shapes and values of one graph state (make a new one after the graph changes)."""
+
+    def __init__(self, ix: GraphIndex) -> None:
+        self.ix = ix
+        self._shapes: dict[int, Shape | None] = {}
+        self._values: dict[int, np.ndarray | None] = {}
+
+    # ---- shapes -------------------------------------------------------------------------------
+    def _declared(self, v: Value) -> Shape | None:
+        if v.shape is None:
+            return None
+        return tuple(
+            sympy.Integer(d) if isinstance(d, int)
+            else sympy.Symbol(d if isinstance(d, str) else f"?{v.name}:{i}", integer=True, positive=True)
+            for i, d in enumerate(v.shape)
+        )
+
+    def shape(self, v: Value | None) -> Shape | None:
+        """The shape of `v`, refined through the producers that ONNX shape inference gives up on."""
+        if v is None:
+            return None
+        if id(v) not in self._shapes:
+            self._shapes[id(v)] = None  # cycle guard
+            self._shapes[id(v)] = self._infer(v) or self._declared(v)
+        return self._shapes[id(v)]
+
+    def _infer(self, v: Value) -> Shape | None:
+        p = self.ix.producer(v)
+        if p is None or len(p.outputs) != 1:
+            return None
+        src = self.shape(p.inputs[0]) if p.inputs and p.inputs[0] is not None else None
+        if src is None:
+            return None
+        if p.op == "Transpose" and p.attrs.get("perm") is not None:
+            return tuple(src[i] for i in p.attrs["perm"])
+        if p.op == "Reshape":
+            target = self.value(p.inputs[1]) if len(p.inputs) > 1 else None
+            return None if target is None else _reshape(src, list(target.reshape(-1)), p.attrs.get("allowzero", 0))
+        if p.op == "Unsqueeze" and p.attrs.get("axes") is not None:
+            out = list(src)
+            rank = len(src) + len(p.attrs["axes"])
+            for a in sorted(norm_axis(int(a), rank) for a in p.attrs["axes"]):
+                out.insert(a, sympy.Integer(1))
+            return tuple(out)
+        if p.op == "Expand" and len(p.inputs) > 1:
+            target = self.value(p.inputs[1])
+            return None if target is None else _broadcast([src, tuple(sympy.sympify(d) for d in target.reshape(-1))])
+        if p.op in ELEMENTWISE:
+            shapes = [self.shape(i) for i in p.inputs if i is not None]
+            return None if any(s is None for s in shapes) else _broadcast(shapes)  # type: ignore[arg-type]
+        return None
+
+    # ---- values -------------------------------------------------------------------------------
+    def value(self, v: Value | None, depth: int = 24) -> np.ndarray | None:
+        """The data of `v` if it depends only on constants and shapes; shape entries may be symbolic."""
+        if v is None:
+            return None
+        if id(v) in self._values:
+            return self._values[id(v)]
+        data = const_array(self.ix, v)
+        p = self.ix.producer(v)
+        if data is None and p is not None and depth > 0 and len(p.outputs) == 1:
+            data = self._evaluate(p, depth)
+        self._values[id(v)] = data
+        return data
+
+    def _evaluate(self, p: Node, depth: int) -> np.ndarray | None:
+        if p.op == "Shape":
+            s = self.shape(p.inputs[0])
+            if s is None:
+                return None
+            out = np.empty(len(s), dtype=object)
+            out[:] = [int(d) if d.is_Integer else d for d in s]
+            return out[p.attrs.get("start", 0):p.attrs.get("end")]
+        if p.op not in LOCAL_EVALUATORS:
+            return None
+        ins = [None if i is None else self.value(i, depth - 1) for i in p.inputs]
+        if any(a is None and i is not None for a, i in zip(ins, p.inputs, strict=True)):
+            return None
+        try:
+            out = np.asarray(LOCAL_EVALUATORS[p.op](p, ins))
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError, ZeroDivisionError):
+            return None
+        return out
+
+    def const(self, v: Value | None) -> np.ndarray | None:
+        """The numeric data of `v` when it is (shape-derived) constant, else None."""
+        data = self.value(v)
+        if data is None or data.dtype != object:
+            return data
+        try:
+            if all(isinstance(x, int | float | np.number) or (isinstance(x, sympy.Expr) and x.is_number)
+                   for x in data.reshape(-1)):
+                return data.astype(np.float64 if any(isinstance(x, float) for x in data.reshape(-1)) else np.int64)
+        except (TypeError, ValueError):
+            pass
+        return None
+
+
+def _reshape(src: Shape, target: list[object], allowzero: int) -> Shape | None:
+    dims = [sympy.sympify(d) for d in target]
+    out: list[sympy.Expr | None] = []
+    for i, d in enumerate(dims):
+        if d == 0 and not allowzero:
+            if i >= len(src):
+                return None
+            out.append(src[i])
+        elif d == -1:
+            out.append(None)
+        else:
+            out.append(d)
+    if out.count(None) > 1:
+        return None
+    if None in out:
+        known = sympy.Mul(*[d for d in out if d is not None])
+        out[out.index(None)] = sympy.simplify(sympy.Mul(*src) / known)
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def _broadcast(shapes: Sequence[Shape]) -> Shape | None:
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        dims = [s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0]
+        real = [d for d in dims if d != 1]
+        if not real:
+            out.append(sympy.Integer(1))
+        elif all(same(real[0], d) for d in real[1:]):
+            out.append(real[0])
+        else:
+            return None
+    return tuple(out)
