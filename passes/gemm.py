@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .patterns import GraphIndex, const_scalar, is_op, is_vector_of, other_input, same_shape
+from .patterns import GraphIndex, const_scalar, is_op, is_vector_of, may_broadcast, other_input, same_shape
 from .pipeline import register
 
 MATMUL_OPS = ("MatMul", "Gemm", "Linear")
@@ -59,7 +59,33 @@ def _weight(ix: GraphIndex, b: Value, trans_b: int) -> tuple[Value, int, list[No
 
 
 def match_base(ix: GraphIndex, node: Node, result: PassResult | None) -> Base | None:
-    """`node` as a GEMM with a 2-D weight, or None (refusing near misses when `result` is given)."""
+    """`node` as a GEMM with a 2-D weight, or None (refusing near misses when `result` is given).
+
+    A 2-D GEMM between Reshapes that flatten x's leading dims and restore them (how decomposed
+    FX graphs spell a linear layer on a 3-D input) is read as a GEMM on x itself, so that the
+    epilogue after the restoring Reshape can join it (FusedGemm takes leading batch dims).
+    """
+    base = _match_node(ix, node, result)
+    return base and _unflatten(ix, base)
+
+
+def _unflatten(ix: GraphIndex, base: Base) -> Base:
+    flat = ix.producer(base.a, "Reshape")
+    x = flat and flat.inputs[0]
+    back = ix.sole_user(base.out, "Reshape")
+    if x is None or back is None or base.residual is not None or x.shape is None or base.a.shape is None:
+        return base
+    out = back.outputs[0].shape
+    lead = tuple(x.shape[:-1])
+    if len(lead) < 2 or None in lead or base.a.shape[-1] != x.shape[-1] or out != (*lead, base.n):
+        return base
+    base.a = x
+    base.nodes = [*([flat] if ix.single_use(flat.outputs[0]) else []), *base.nodes, back]
+    base.out = back.outputs[0]
+    return base
+
+
+def _match_node(ix: GraphIndex, node: Node, result: PassResult | None) -> Base | None:
     a, b = node.inputs[0], node.inputs[1]
     if a is None or b is None or b.rank != 2 or a.rank is None or a.rank < 2:
         return None  # batched (attention) matmuls and vector products are not GEMM targets
@@ -129,7 +155,7 @@ def _take_residual(ix: GraphIndex, base: Base) -> None:
         return
     add = ix.sole_user(base.out, "Add")
     r = add and other_input(add, base.out)
-    if r is not None and r is not base.out and same_shape(r, base.out) and same_shape(add.outputs[0], base.out):
+    if r is not None and r is not base.out and not may_broadcast(r, base.out) and not may_broadcast(add.outputs[0], r):
         base.nodes.append(add)
         base.residual, base.out = r, add.outputs[0]
 
@@ -141,15 +167,19 @@ def _projection(ix: GraphIndex, value: Value | None) -> Base | None:
     if value is None or not ix.single_use(value):
         return None
     node = ix.producer(value)
-    if is_op(node, "Add"):
-        mm = next((ix.producer(v, MATMUL_OPS) for v in node.inputs if ix.producer(v, MATMUL_OPS)), None)
-        base = mm and match_base(ix, mm, None)
-        if base is None or base.residual is not None or not ix.single_use(base.out):
-            return None
+    heads = [node] if is_op(node, ("Reshape", *MATMUL_OPS)) else node.inputs if is_op(node, "Add") else []
+    for head in heads:  # the matmul, or a Reshape restoring its leading dims, possibly under a bias Add
+        if isinstance(head, Value):
+            head = ix.producer(head, ("Reshape", *MATMUL_OPS))
+        if is_op(head, "Reshape"):
+            head = ix.producer(head.inputs[0], MATMUL_OPS)
+        base = match_base(ix, head, None) if head is not None else None
+        if base is None or base.residual is not None:
+            continue
         _take_bias(ix, base)
-        return base if base.out is value else None
-    base = match_base(ix, node, None) if is_op(node, MATMUL_OPS) else None
-    return base if base is not None and base.residual is None and base.out is value else None
+        if base.out is value:
+            return base
+    return None
 
 
 def _gated(ix: GraphIndex, mul: Node, result: PassResult) -> tuple[Base, Base, Node, str] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .patterns import GraphIndex, is_last_axis, is_op, last_dim, same_shape
+from .patterns import GraphIndex, is_last_axis, is_op, last_dim, may_broadcast
 from .pipeline import register
 
 KINDS = {"LayerNormalization": "layer", "RMSNormalization": "rms"}
@@ -34,9 +34,9 @@ def _residual(ix: GraphIndex, x: Value, result: PassResult, norm: Node) -> Node 
     a, b = add.inputs[0], add.inputs[1]
     if a is None or b is None or a.const is not None or b.const is not None:
         return None  # a bias or constant shift: not a residual; the GEMM pass takes a bias
-    if not (same_shape(a, x) and same_shape(b, x)):
-        result.refuse(norm, f"residual Add {add.name} broadcasts ({a.shape} + {b.shape}): normalized "
-                      "without the add")
+    problem = may_broadcast(a, x) or may_broadcast(b, x)
+    if problem:
+        result.refuse(norm, f"residual Add {add.name} not fused ({problem}): normalized without the add")
         return None
     return add
 

@@ -8,10 +8,14 @@ rewrite computes the same thing.
 
 from __future__ import annotations
 
+import functools
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 import torch.nn.functional as F
 from tkopt.passes.base import PassResult
@@ -188,3 +192,19 @@ class Builder:
 
     def run(self, graph: Graph | None = None) -> list[T]:
         return run_graph(graph or self.graph, self.samples)
+
+
+@functools.cache
+def exported(name: str, how: str) -> Any:
+    """A reference model exported once per test session: "torchscript"/"dynamo" -> ONNX ModelProto,
+    "fx" -> ExportedProgram, "fx_decomposed" -> ExportedProgram after run_decompositions()."""
+    from tkopt.models.blocks import REFERENCE_MODELS
+    from tkopt.models.export import export_fx, export_onnx
+
+    model, inputs = REFERENCE_MODELS[name]()
+    if how.startswith("fx"):
+        ep = export_fx(model, inputs)
+        return ep.run_decompositions() if how == "fx_decomposed" else ep
+    with tempfile.TemporaryDirectory() as d:
+        path = export_onnx(model, inputs, Path(d) / f"{name}.onnx", dynamo=how == "dynamo")
+        return onnx.load(str(path))
