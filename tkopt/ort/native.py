@@ -21,7 +21,9 @@ from . import headers
 
 CSRC = Path(__file__).with_name("csrc")
 TARGET_ARCH = {"cpu": "cpu", "sm80": "sm80", "sm90": "sm90"}
-_GENCODE = {"sm80": "arch=compute_80,code=sm_80", "sm90": "arch=compute_90a,code=sm_90a"}
+# sm80 also embeds compute_80 PTX: sm_80 machine code does not load on Hopper, and the brief runs the
+# Ampere variant on an H200 too (the driver JIT-compiles the PTX there).
+_GENCODE = {"sm80": "arch=compute_80,code=[sm_80,compute_80]", "sm90": "arch=compute_90a,code=sm_90a"}
 ONNX_ELEM = {"float32": 1, "float16": 10, "bfloat16": 16, "float64": 11, "int64": 7, "int32": 6, "bool": 9}
 
 
