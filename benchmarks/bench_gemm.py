@@ -30,8 +30,8 @@ os.environ.setdefault("TKOPT_AUTOTUNE", "1")
 
 from tkopt.kernels import tuning  # noqa: E402
 from tkopt.kernels.config import TileConfig, default_config  # noqa: E402
-from tkopt.kernels.gated_mlp import gated_mlp  # noqa: E402
-from tkopt.kernels.gemm import (  # noqa: E402
+from tkopt.kernels.gated_gemm import gated_mlp  # noqa: E402
+from tkopt.kernels.gemm_epilogue import (  # noqa: E402
     TUNE_CANDIDATES,
     _valid,
     compiled_kernel,
@@ -166,7 +166,7 @@ def main():
 
     # ---------------- 4. compile times
     code = (
-        "import time,torch;t=time.time();from tkopt.kernels.gemm import compiled_kernel;"
+        "import time,torch;t=time.time();from tkopt.kernels.gemm_epilogue import compiled_kernel;"
         "from tkopt.kernels.config import default_config;t1=time.time();"
         "compiled_kernel('sm90',8192,8192,torch.float16,default_config('sm90',torch.float16,m=1),True,True,"
         "'gelu_tanh',False,False,None);print(f'{t1-t:.2f} {time.time()-t1:.2f}')"

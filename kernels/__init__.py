@@ -10,9 +10,9 @@ from typing import Any
 
 _EXPORTS = {
     "TileConfig": "config",
-    "gemm": "gemm",
-    "gemm_custom": "gemm",
-    "gated_mlp": "gated_mlp",
+    "gemm": "gemm_epilogue",
+    "gemm_custom": "gemm_epilogue",
+    "gated_mlp": "gated_gemm",
     "flash_attention": "attention",
     "add_layer_norm": "norm",
     "add_rms_norm": "norm",

@@ -5,13 +5,10 @@ import os
 import pytest
 import torch
 from conftest import cuda_compile, lower_cuda
-
-# Import the functions from their modules: `from tkopt.kernels import gemm` can yield the *module* once
-# tkopt.kernels.gemm was imported (the import system sets the package attribute; see the report).
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.config import TileConfig, default_config
-from tkopt.kernels.gated_mlp import gated_mlp, gated_mlp_program
-from tkopt.kernels.gemm import gemm, gemm_custom, gemm_program
+from tkopt.kernels.gated_gemm import gated_mlp, gated_mlp_program
+from tkopt.kernels.gemm_epilogue import gemm, gemm_custom, gemm_program
 from tkopt.kernels.reference import gated_mlp_ref, gemm_ref
 
 
@@ -261,7 +258,7 @@ GATED_MNK = (300, 384, 256)
 @pytest.fixture(scope="module")
 def gpu_precompiled():
     """Compile every GPU test kernel in parallel processes first (TileLang disk cache); tests then load."""
-    from tkopt.kernels.gemm import padded_nk, precompile
+    from tkopt.kernels.gemm_epilogue import padded_nk, precompile
 
     keys = []
     for arch in GPU_ARCHS:

@@ -60,7 +60,7 @@ def _last_dim_expr(src: int, n: int) -> str:
 
 def _gemm(node: Node, arch: str) -> ProgramSpec:
     from tkopt.kernels.config import default_config
-    from tkopt.kernels.gemm import gemm_program
+    from tkopt.kernels.gemm_epilogue import gemm_program
 
     gated = node.op == "FusedGatedMLP"
     dtype = _dtype(node)

@@ -10,7 +10,7 @@ Weights: (K, N) each, or (N, K) linear weights with weights_transposed=True.
 
 from .arch import UnsupportedError
 from .config import TileConfig, default_config
-from .gemm import _check_tensor, _launch, _resolve_config, bench_ms, check_inputs, gemm_program, select_config
+from .gemm_epilogue import _check_tensor, _launch, _resolve_config, bench_ms, check_inputs, gemm_program, select_config
 
 GATED_ACTS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
 
