@@ -7,8 +7,11 @@ import math
 
 import pytest
 import torch
-from tkopt.passes.finalize import expand_standins
+from tkopt.passes.finalize import expand_standins, finalize
+from tkopt.passes.pipeline import run_passes
 from tkopt.passes.recognize import recognize_gelu, recognize_layer_norm, recognize_rms_norm, recognize_silu
+
+from tkopt.ir import Node
 
 from .ir_helpers import Builder, apply, ops, reasons
 
@@ -222,3 +225,25 @@ def test_rms_norm_over_non_trailing_axis_is_refused():
     b.output(b.op("Mul", x, b.op("Rsqrt", b.op("Add", var, 1e-6))))
     r = apply(b.graph, recognize_rms_norm)
     assert "RMSNormalization" not in ops(b.graph) and "RMSNorm near match: mean over axes [1]" in reasons(r)
+
+
+# ---- finalize ----------------------------------------------------------------------------------
+
+def test_pipeline_expands_stand_ins_no_fusion_consumed():
+    b = _gelu_erf("div")
+    before, want = ops(b.graph), b.run()
+    report = run_passes(b.graph)
+    assert ops(b.graph) == before and not any(n.replaced for n in b.graph.nodes)
+    assert report.edits["recognize_gelu"] == 1 and report.edits["finalize"] == 1
+    torch.testing.assert_close(b.run()[0], want[0])
+
+
+def test_finalize_drops_dead_canonical_nodes_only():
+    b = Builder()
+    x = b.input("x", SHAPE)
+    dead = b.op("Relu", x)
+    b.graph.add_node(Node("aten::_assert_async", [dead], []))  # reads `dead`, so both stay
+    b.op("Sigmoid", x)  # dead, canonical: dropped
+    b.output(b.op("Neg", x))
+    r = apply(b.graph, finalize)
+    assert ops(b.graph) == ["Relu", "aten::_assert_async", "Neg"] and r.changed == 1
