@@ -119,14 +119,14 @@ def compare_onnx(
 ) -> Accuracy:
     """Per-output max abs/rel error of the optimized (fused) model against the original run in ORT.
 
-    The fused model runs in ORT with the native tkopt op library when one is configured, else in
-    onnx's ReferenceEvaluator with tkopt's torch references for the fused ops.
+    The fused model runs in ORT with the native tkopt op library when one is configured, else
+    "hybrid": its standard ops in ORT and the fused ops with tkopt's torch references.
     """
     orig = original if isinstance(original, onnx.ModelProto) else load_model(original)[0]
     opt = optimized if isinstance(optimized, onnx.ModelProto) else load_model(optimized)[0]
     feeds = dict(inputs) if inputs is not None else make_inputs(orig, seed)
     want = run_model(orig, feeds, provider="ort")
-    fused_runner = "ort" if not has_fused_nodes(opt) or native_library() else "reference"
+    fused_runner = "ort" if not has_fused_nodes(opt) or native_library() else "hybrid"
     got = run_model(opt, feeds, provider=fused_runner)
     missing = set(want) - set(got)
     if missing:

@@ -38,7 +38,7 @@ class OutputError:
 
 @dataclass
 class Accuracy:
-    """Per-output errors and how each side ran (unfused: ORT; fused: ORT or the reference evaluator)."""
+    """Per-output errors and how each side ran (unfused: ORT; fused: "ort", "hybrid" or "reference")."""
 
     outputs: list[OutputError]
     fused_runner: str

@@ -94,7 +94,8 @@ def _expected(w: dict[str, np.ndarray], x: np.ndarray, mask: np.ndarray) -> tupl
     return y.numpy(), s.numpy()
 
 
-def test_fused_nodes_export_check_and_run() -> None:
+@pytest.mark.parametrize("provider", ["hybrid", "reference"])
+def test_fused_nodes_export_check_and_run(provider: str) -> None:
     g, w = _fused_graph()
     model = export_onnx(g)
     check(model)  # full_check with the registered tkopt schemas
@@ -113,7 +114,7 @@ def test_fused_nodes_export_check_and_run() -> None:
     x = rng.standard_normal((2, 4, 16)).astype(np.float32)
     mask = np.ones((2, 1, 4, 4), dtype=bool)
     mask[1, ..., 0] = False
-    out = run_model(model, {"x": x, "mask": mask})
+    out = run_model(model, {"x": x, "mask": mask}, provider=provider)
     y, s = _expected(w, x, mask)
     np.testing.assert_allclose(out["sum"], s, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out["y"], y, rtol=1e-4, atol=1e-4)
@@ -135,7 +136,8 @@ def test_manual_fusion_of_imported_model(ts_model: Path) -> None:
     assert "folded_w" in names and "norm.weight" not in names
     assert any(vi.name == add.outputs[0].name for vi in model.graph.value_info)  # fused output typed
     acc = compare_onnx(ts_model, model)
-    assert acc.fused_runner == "reference" and acc.ok, acc
+    assert acc.fused_runner == "hybrid" and acc.ok, acc
+    assert compare_onnx(ts_model, model).outputs == acc.outputs  # deterministic
 
 
 def test_graph_output_keeps_its_name(ts_model: Path) -> None:
