@@ -146,7 +146,7 @@ def phase_measure(out_dir: str):
     # copy ceiling
     y = torch.empty_like(x)
     cp = _bench(lambda: y.copy_(x))
-    row("ceiling", "d2d copy 128 MiB (read+write)", cp, 2 * nbytes / BW, f"{2 * nbytes / cp / 1e6:.2f} TB/s")
+    row("ceiling", "d2d copy 128 MiB (read+write)", cp, 2 * nbytes / BW * 1e6, f"{2 * nbytes / cp / 1e6:.2f} TB/s")
 
     # warm-load (first call in this fresh process: TileLang disk cache) + numerics spot check
     warm = {}
@@ -187,7 +187,7 @@ def phase_measure(out_dir: str):
 
     ln_c = torch.compile(ln_eager)
     rms_c = torch.compile(rms_eager)
-    floor_sum, floor_nosum = 4 * nbytes / BW, 3 * nbytes / BW
+    floor_sum, floor_nosum = 4 * nbytes / BW * 1e6, 3 * nbytes / BW * 1e6  # us
 
     row("add+LN", "torch eager (x+r, F.layer_norm)", _bench(lambda: ln_eager(x, r)), floor_sum)
     row("add+LN", "torch.compile", _bench(lambda: ln_c(x, r)), floor_sum)
@@ -221,13 +221,13 @@ def phase_measure(out_dir: str):
 
     # softmax
     xs = torch.randn(M, N, device=dev, dtype=torch.float16) * 4
-    row("softmax", "torch eager torch.softmax", _bench(lambda: torch.softmax(xs, -1)), 2 * nbytes / BW)
+    row("softmax", "torch eager torch.softmax", _bench(lambda: torch.softmax(xs, -1)), 2 * nbytes / BW * 1e6)
     for arch in ARCHS:
         _tune(arch)
         got = S.softmax(xs, arch=arch)
         ref = softmax_ref(xs[:256])
         err = ((got[:256].float() - ref.float()).norm() / ref.float().norm()).item()
-        row("softmax", f"tkopt {arch}", _bench(lambda a=arch: S.softmax(xs, arch=a)), 2 * nbytes / BW,
+        row("softmax", f"tkopt {arch}", _bench(lambda a=arch: S.softmax(xs, arch=a)), 2 * nbytes / BW * 1e6,
             f"rel err {err:.1e}" + ("" if err < 1e-2 else " NUMERICS FAIL"))
 
     # conv2d
@@ -261,7 +261,7 @@ def _bench_conv(row, name, n, c, h, wd, f, k, s, p):
     oh = (h + 2 * p - k) // s + 1
     flops = 2 * n * oh * oh * f * c * k * k
     io = (xc.numel() + wc.numel() + n * oh * oh * f) * 2
-    floor = max(flops / FLOPS, io / BW)
+    floor = max(flops / FLOPS, io / BW) * 1e6  # us
     ref = conv2d_ref(xc, wc, bc, "relu", s, p)
     row(name, "torch eager cudnn NCHW (conv+bias, relu)", _bench(lambda: torch.relu(F.conv2d(xc, wc, bc, s, p))),
         floor, f"{flops / 1e9:.1f} GFLOP, {io / 1e6:.0f} MB")

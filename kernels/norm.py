@@ -55,10 +55,14 @@ def acc_dtype(dtype: str) -> str:
 
 
 def resolved_target(arch: str):
-    """target_of(arch) in the form tilelang.compile / lower accept (CLI target strings are gone in 0.1.15)."""
-    from tilelang.tools.compile_only import resolve_target
+    """target_of(arch) in a form tilelang.compile accepts (arch.py returns a tvm Target; a CLI string such as
+    "cuda -arch=sm_90a" is converted, since TileLang 0.1.15's TVM no longer parses those)."""
+    t = target_of(arch)
+    if isinstance(t, str):
+        from tilelang.tools.compile_only import resolve_target
 
-    return resolve_target(target_of(arch))
+        return resolve_target(t)
+    return t
 
 
 _compile_lock = threading.Lock()
