@@ -92,7 +92,7 @@ GPU_ARCHS = ["sm90", "sm80"]
     (2, 64, 14, 14, 128, 3, 1, 1, 1, "relu", True, torch.float32),
     (3, 3, 17, 15, 10, (3, 2), (2, 1), (1, 0), (1, 2), "gelu", False, torch.float16),
     (1, 128, 9, 9, 200, 1, 1, 0, 1, "silu", True, torch.bfloat16),
-])
+], ids=["3x3-f16", "3x3-bf16", "3x3-f32", "3x2strided-f16", "1x1-bf16"])
 def test_gpu(arch, dtype, n, c, h, w, f, k, s, p, d, act, has_bias, monkeypatch):
     monkeypatch.setenv("TKOPT_AUTOTUNE", "0")
     kh, kw = k if isinstance(k, tuple) else (k, k)
