@@ -75,7 +75,9 @@ def to_numpy(tensor: onnx.TensorProto, base_dir: str = "") -> np.ndarray:
     return arr
 
 
-def _shape(tp: onnx.TypeProto) -> tuple[str | None, tuple[Dim, ...] | None]:
+def _shape(tp: onnx.TypeProto, known: frozenset[str] = frozenset()) -> tuple[str | None, tuple[Dim, ...] | None]:
+    """dtype and shape; a dim_param shape inference made up ("unk__3": not one of the model's own
+    `known` names) is an unknown dim (None): two such names say nothing about equality."""
     if not tp.HasField("tensor_type"):
         return None, None
     tt = tp.tensor_type
@@ -84,7 +86,12 @@ def _shape(tp: onnx.TypeProto) -> tuple[str | None, tuple[Dim, ...] | None]:
         return dtype, None
     dims: list[Dim] = []
     for d in tt.shape.dim:
-        dims.append(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None)
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        elif d.HasField("dim_param") and (d.dim_param in known or not d.dim_param.startswith("unk__")):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
     return dtype, tuple(dims)
 
 
@@ -224,12 +231,14 @@ def import_onnx(model: str | Path | onnx.ModelProto, base_dir: str | Path | None
     types: dict[str, onnx.TypeProto] = {}
     for vi in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output):
         types[vi.name] = vi.type
+    known = frozenset(d.dim_param for vi in (*g.input, *g.output, *g.value_info)
+                      for d in vi.type.tensor_type.shape.dim if d.HasField("dim_param"))
     values: dict[str, Value] = {}
 
     def value(name: str) -> Value:
         v = values.get(name)
         if v is None:
-            dtype, shape = _shape(types[name]) if name in types else (None, None)
+            dtype, shape = _shape(types[name], known) if name in types else (None, None)
             v = values[name] = Value(graph.reserve(name), dtype, shape)
         return v
 
