@@ -172,3 +172,17 @@ def test_bfloat16_constants_are_float32_numpy():
     g = import_fx(torch.export.export(m, (torch.randn(2, 4, dtype=torch.bfloat16),)))
     w = next(v for v in g.values() if v.name == "weight")
     assert w.dtype == "bfloat16" and w.const.dtype == np.float32
+
+
+def test_layout_changing_clone_is_not_identity():
+    """A clone that makes a transposed tensor contiguous is what the aten.view after it relies on."""
+
+    class M(nn.Module):
+        def forward(self, x):
+            y = x.transpose(1, 2).contiguous().view(x.shape[0], -1)
+            return y.clone().softmax(-1, dtype=torch.float32)
+
+    g = import_fx(torch.export.export(M(), (torch.randn(2, 3, 4),)).run_decompositions())
+    clones = [n for n in g.nodes if n.origin.target is torch.ops.aten.clone.default]
+    assert [n.op for n in clones] == ["aten::clone", "Identity"]
+    assert any(n.op == "Softmax" for n in g.nodes)  # dtype= its own dtype is a no-op

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 from tkopt.passes.base import fuse
 from torch import nn
 from torch.export import Dim
@@ -238,3 +239,16 @@ def test_torch_compile_backend_training():
     got, x.grad = x.grad, None
     model(x).sum().backward()
     assert rel_err(got, x.grad) < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_FUSIONS))
+def test_compile_reference_models(name):
+    """End to end on the reference blocks: the expected fusions, eager numerics, a new batch/seq."""
+    model, example = REFERENCE_MODELS[name]()
+    with torch.no_grad():
+        c = tkc.compile(model, example)
+        assert c.tkopt_report.fusions == EXPECTED_FUSIONS[name], c.tkopt_report.refusals
+        bigger = tuple(torch.cat([t, t[:1]]).repeat_interleave(2, dim=1) for t in example)  # batch+1, seq*2
+        for args in (example, bigger):
+            assert rel_err(c(*args), model(*args)) < 1e-5
+        assert len(c.specializations) == 1

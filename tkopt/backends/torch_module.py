@@ -169,8 +169,9 @@ class _Rebuilder:
             self.copy_old(n)
         for node in self.graph.nodes:
             self.emit(node)
-        for n in effects:
-            self.copy_old(n)
+        for n in effects:  # an assertion about a tensor a fusion removed is dropped with it
+            if self._copyable(n):
+                self.copy_old(n)
         self._output(self.old.graph.find_nodes(op="output")[0])
         self.new.lint()
         gm = fx.GraphModule(self.root, self.new, class_name="TkoptModule")
@@ -179,6 +180,11 @@ class _Rebuilder:
                 setattr(gm, attr, self.old.__dict__[attr])
         gm.recompile()
         return gm
+
+    def _copyable(self, node: fx.Node) -> bool:
+        return all(
+            a in self.env or (a not in self.in_ir and self._copyable(a)) for a in node.all_input_nodes
+        )
 
     def _reads_ir(self, node: fx.Node) -> bool:
         seen: set[fx.Node] = set()

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from tkopt.ir import Graph, Node, Value
 
@@ -157,8 +158,13 @@ def _reshape(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
     return "Reshape", [a["self"]], {"shape": _attr_value(list(shape))}
 
 
+def _same_dtype(n: fx.Node, dtype: torch.dtype | None) -> bool:
+    """An op's optional `dtype=` argument is a no-op when it is the input's own dtype."""
+    return dtype is None or dtype == node_val(n.args[0]).dtype
+
+
 def _softmax(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
-    if a.get("dtype") is not None or a.get("half_to_float"):
+    if not _same_dtype(n, a.get("dtype")) or a.get("half_to_float"):
         return None
     return "Softmax", [a["self"]], {"axis": a["dim"]}
 
@@ -174,7 +180,7 @@ def _gelu(n: fx.Node, a: dict[str, Any]) -> Mapped:
 
 def _reduce(op: str) -> Handler:
     def h(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
-        if a.get("dtype") is not None:
+        if not _same_dtype(n, a.get("dtype")):
             return None
         src = n.args[0]
         dims = a.get("dim")
@@ -195,8 +201,10 @@ def _cast(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
 
 
 def _identity(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
-    mf = a.get("memory_format")
-    if mf not in (None, torch.preserve_format, torch.contiguous_format):
+    """clone/contiguous/alias/detach are Identity only when the result keeps the input's strides:
+    a clone that makes a tensor contiguous is what a later aten.view relies on, so it stays."""
+    src, out = node_val(n.args[0]), node_val(n)
+    if src.dim() != out.dim() or not statically_known_true(sym_eq(tuple(src.stride()), tuple(out.stride()))):
         return None
     return "Identity", [a["self"]], {}
 
