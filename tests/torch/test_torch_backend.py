@@ -14,9 +14,9 @@ from tkopt.passes.base import fuse
 from torch import nn
 from torch.export import Dim
 
-import tkopt.compile as tkc
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS
+from tkopt.compile import compile as tkopt_compile
 from tkopt.frontends.fx import import_fx
 
 D = 16
@@ -194,7 +194,7 @@ def block() -> nn.Module:
 
 def test_compile_dynamic_shapes(block):
     with torch.no_grad():
-        c = tkc.compile(block, (torch.randn(2, 5, D),))
+        c = tkopt_compile(block, (torch.randn(2, 5, D),))
         assert c.tkopt_report.total_fused > 0
         assert any(str(n.target).startswith("tkopt.") for n in c.graph_module.graph.nodes)
         for b, s in ((2, 5), (3, 8), (5, 2)):
@@ -207,7 +207,7 @@ def test_compile_dynamic_shapes(block):
 
 def test_compile_static_and_disable(block):
     with torch.no_grad():
-        c = tkc.compile(block, (torch.randn(2, 4, D),), dynamic=False, disable=["attention"])
+        c = tkopt_compile(block, (torch.randn(2, 4, D),), dynamic=False, disable=["attention"])
         assert "attention" in c.tkopt_report.disabled
         assert not any(n.target == torch.ops.tkopt.fused_attention.default for n in c.graph_module.graph.nodes)
         for b, s in ((2, 4), (3, 6)):
@@ -246,7 +246,7 @@ def test_compile_reference_models(name):
     """End to end on the reference blocks: the expected fusions, eager numerics, a new batch/seq."""
     model, example = REFERENCE_MODELS[name]()
     with torch.no_grad():
-        c = tkc.compile(model, example)
+        c = tkopt_compile(model, example)
         assert c.tkopt_report.fusions == EXPECTED_FUSIONS[name], c.tkopt_report.refusals
         bigger = tuple(torch.cat([t, t[:1]]).repeat_interleave(2, dim=1) for t in example)  # batch+1, seq*2
         for args in (example, bigger):
