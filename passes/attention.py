@@ -215,7 +215,7 @@ def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool) -> _P
             return out
         if readers:
             st = replace(st, reads=[*st.reads, (cur, st.net, readers)])
-        if p.op in PASS_THROUGH or (p.op == "Expand" and cur.shape is not None and p.inputs[0].shape == cur.shape):
+        if p.op in PASS_THROUGH or (p.op == "Expand" and _same_shape(view, p.inputs[0], cur)):
             st, reader = replace(st, value=p.inputs[0], nodes=[*st.nodes, p]), p
         elif p.op == "Transpose" and len(p.attrs.get("perm") or ()) == 4:
             net = _compose(st.net, list(p.attrs["perm"]))
@@ -471,11 +471,88 @@ def _resolve_masks(view: _View, masks: list[tuple[str, Value]], scores: Value) -
 
 
 # ---- decomposed attention (anchored at Softmax) ---------------------------------------------------
+@dataclass
+class _Mm:
+    """A 4-D batched MatMul out = a @ b: a MatMul node, or the bmm form of decomposed FX
+    (Reshape to 3-D, bmm, Reshape back) with the nodes it spans."""
+
+    a: Value
+    a_reader: Node
+    b: Value
+    b_reader: Node
+    out: Value
+    nodes: list[Node]
+
+
+def _unflatten(view: _View, v3: Value, reader: Node) -> tuple[Value, Node, list[Node]] | None:
+    """v3 = Reshape(x, (B*H, M, K)) of 4-D x (through no-op Expand/clone): (x, its reader, nodes)."""
+    r = view.producer(v3)
+    if r is None or r.op != "Reshape" or not view.only_user(v3, reader):
+        return None
+    nodes, x, rd = [r], r.inputs[0], r
+    while (p := view.producer(x)) is not None and view.only_user(x, rd) and (
+        p.op in PASS_THROUGH or (p.op == "Expand" and _same_shape(view, p.inputs[0], x))
+    ):
+        nodes.append(p)
+        x, rd = p.inputs[0], p
+    s4, s3 = view.shapes.shape(x), view.shapes.shape(v3)
+    if s4 is None or s3 is None or len(s4) != 4 or len(s3) != 3:
+        return None
+    if same(s3[0], s4[0] * s4[1]) and same(s3[1], s4[2]) and same(s3[2], s4[3]):
+        return x, rd, nodes
+    return None
+
+
+def _same_shape(view: _View, a: Value, b: Value) -> bool:
+    sa, sb = view.shapes.shape(a), view.shapes.shape(b)
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(map(same, sa, sb))
+
+
+def _as_matmul(view: _View, p: Node | None) -> _Mm | None:
+    """`p` as a 4-D batched MatMul, if it is one (MatMul, or Reshape of the decomposed bmm form)."""
+    if p is None:
+        return None
+    if p.op == "MatMul":
+        return _Mm(p.inputs[0], p, p.inputs[1], p, p.outputs[0], [p])  # type: ignore[arg-type]
+    if p.op != "Reshape":
+        return None
+    mm = view.producer(p.inputs[0])
+    if mm is None or mm.op != "MatMul" or not view.only_user(p.inputs[0], p):  # type: ignore[arg-type]
+        return None
+    a, b = _unflatten(view, mm.inputs[0], mm), _unflatten(view, mm.inputs[1], mm)  # type: ignore[arg-type]
+    if a is None or b is None:
+        return None
+    sa, sb, so = view.shapes.shape(a[0]), view.shapes.shape(b[0]), view.shapes.shape(p.outputs[0])
+    if sa is None or sb is None or so is None or len(so) != 4:
+        return None
+    if not (same(sa[0], sb[0]) and same(sa[1], sb[1]) and same(sa[3], sb[2])):
+        return None
+    if not all(map(same, so, (sa[0], sa[1], sa[2], sb[3]))):
+        return None
+    return _Mm(a[0], a[1], b[0], b[1], p.outputs[0], [p, mm, *a[2], *b[2]])
+
+
+def _forward_bmm(view: _View, probs: Value) -> _Mm | None:
+    """The decomposed ·V bmm reading `probs` (through no-op Expand/clone and the 3-D Reshape)."""
+    v = probs
+    for _ in range(4):
+        u = view.sole_user(v)
+        if u is None:
+            return None
+        if u.op == "MatMul":
+            mm = _as_matmul(view, view.sole_user(u.outputs[0]))
+            return mm if mm is not None and mm.a is probs and mm.nodes[1] is u else None
+        if u.op not in ("Expand", "Reshape", *PASS_THROUGH):
+            return None
+        v = u.outputs[0]
+    return None
+
+
 def _leads_to_matmul(view: _View, v: Value | None, depth: int = 8) -> bool:
     p = view.producer(v)
     if p is None or depth == 0:
         return False
-    if p.op == "MatMul":
+    if p.op == "MatMul" or (p.op == "Reshape" and _as_matmul(view, p) is not None):
         return True
     return p.op in CHAIN_OPS and any(_leads_to_matmul(view, i, depth - 1) for i in p.inputs[:3] if i is not None)
 
@@ -496,12 +573,60 @@ def _dropout_training(n: Node, view: _View) -> bool | None:
     return None
 
 
-def _probs_chain(view: _View, sm: Node) -> tuple[Node, list[Node]]:
-    """From the softmax output forward to the ·V MatMul: (MatMul, absorbed nodes)."""
-    cur, nodes = sm.outputs[0], []
+def _nan_guard(view: _View, p: Value, users: list[Node]) -> list[Node]:
+    """Where(IsNaN(p), 0, p): the dynamo exporter's zeroing of fully masked rows, which is exactly
+    what FusedAttention defines for them. Returns [IsNaN, Where] or []."""
+    if len(users) != 2 or view.is_output(p):
+        return []
+    isnan = next((u for u in users if u.op == "IsNaN"), None)
+    where = next((u for u in users if u.op == "Where"), None)
+    if isnan is None or where is None or where.inputs[2] is not p or where.inputs[0] is not isnan.outputs[0]:
+        return []
+    if view.sole_user(isnan.outputs[0]) is not where or view.scalar(where.inputs[1]) != 0:
+        return []
+    return [isnan, where]
+
+
+def _row_guard(view: _View, sm: Node) -> list[Node]:
+    """Where(Not(any(Not(scores == -inf), -1)), full_like(p, 0), p): decomposed SDPA's zeroing of fully
+    masked rows (FusedAttention's definition for them). Returns its nodes, the Where last, or []."""
+    scores, p = sm.inputs[0], sm.outputs[0]
+    users = view.users(p)
+    where = next((u for u in users if u.op == "Where" and u.inputs[2] is p), None)
+    fill = next((u for u in users if u.op == "aten::full_like"), None)
+    if len(users) != 2 or where is None or fill is None or fill.attrs.get("fill_value") != 0:
+        return []
+    if where.inputs[1] is not fill.outputs[0] or view.sole_user(fill.outputs[0]) is not where:
+        return []
+    chain, v = [], where.inputs[0]
+    for op in ("Not", "aten::any", "Not", "Equal"):
+        n = view.producer(v)
+        if n is None or n.op != op or view.sole_user(v) is not (chain[-1] if chain else where):
+            return []
+        chain.append(n)
+        v = n.inputs[0]
+    anyn, eq = chain[1], chain[3]
+    if anyn.attrs.get("dim") not in (-1, 3) or not anyn.attrs.get("keepdim") or v is not scores:
+        return []
+    if view.scalar(eq.inputs[1]) != float("-inf") or set(map(id, view.users(scores))) != {id(sm), id(eq)}:
+        return []
+    return [*chain, fill, where]
+
+
+def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node]]:
+    """From the softmax output (or `start`, after a row guard) to the ·V MatMul: (MatMul, absorbed nodes)."""
+    cur, nodes = start, []
     while True:
         users = view.users(cur)
+        guard = _nan_guard(view, cur, users)
+        if guard:
+            nodes += guard
+            cur = guard[-1].outputs[0]
+            continue
         pv = [u for u in users if u.op == "MatMul" and u.inputs[0] is cur]
+        mm = _forward_bmm(view, cur) if len(users) == 1 and not pv else None
+        if mm is not None:
+            return mm, nodes
         if len(users) != 1 or view.is_output(cur):
             if pv or any(u.op in ("Cast", "Identity", "Dropout") for u in users):
                 who = next((u.name for u in users if u not in pv), "the graph output")
@@ -509,7 +634,7 @@ def _probs_chain(view: _View, sm: Node) -> tuple[Node, list[Node]]:
             raise _Miss
         u = users[0]
         if pv:
-            return u, nodes
+            return _as_matmul(view, u), nodes  # type: ignore[return-value]
         training = _dropout_training(u, view)
         if training:
             raise _Refuse(f"dropout {u.name} is active (training mode) between softmax and ·V")
@@ -522,7 +647,9 @@ def _probs_chain(view: _View, sm: Node) -> tuple[Node, list[Node]]:
         cur = u.outputs[0]
 
 
-def _scores_chain(view: _View, sm: Node) -> tuple[Node, list[Node], list[tuple[str, Value]], float | None]:
+def _scores_chain(
+    view: _View, sm: Node, guard: list[Node]
+) -> tuple[_Mm, list[Node], list[tuple[str, Value]], float | None]:
     """From the softmax input back to Q·K^T: (MatMul, absorbed nodes, mask terms, scale or None)."""
     cur, consumer = sm.inputs[0], sm
     nodes: list[Node] = []
@@ -532,11 +659,12 @@ def _scores_chain(view: _View, sm: Node) -> tuple[Node, list[Node], list[tuple[s
         p = view.producer(cur)
         if p is None:
             raise _Miss
-        if not view.only_user(cur, consumer):
+        if not view.only_user(cur, consumer) and not (guard and cur is sm.inputs[0]):
             raise _Refuse(f"attention scores {cur.name} are also used by {view.other_user(cur, consumer)}")
+        mm = _as_matmul(view, p)
+        if mm is not None:
+            return mm, nodes, masks, scale
         nodes.append(p)
-        if p.op == "MatMul":
-            return p, nodes, masks, scale
         if p.op in ("Cast", "Identity"):
             nxt = p.inputs[0]
         elif p.op == "Add":
@@ -580,7 +708,8 @@ def _causal_const(view: _View, m: Value, scores: Value) -> bool:
 def _match_softmax(view: _View, sm: Node) -> _Match:
     if not _leads_to_matmul(view, sm.inputs[0]):
         raise _Miss
-    pv, post = _probs_chain(view, sm)
+    guard = _row_guard(view, sm)
+    pv, post = _probs_chain(view, sm, guard[-1].outputs[0] if guard else sm.outputs[0])
     rank = sm.inputs[0].rank
     if rank is not None and rank < 3:
         raise _Miss  # no heads: a classifier head, not attention
@@ -589,14 +718,14 @@ def _match_softmax(view: _View, sm: Node) -> _Match:
         raise _Refuse(f"softmax over axis {axis}, not the last (key) axis")
     if rank != 4:
         raise _Refuse(f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)")
-    qk, pre, masks, scale = _scores_chain(view, sm)
-    causal, mask = _resolve_masks(view, masks, qk.outputs[0])
+    qk, pre, masks, scale = _scores_chain(view, sm, guard)
+    causal, mask = _resolve_masks(view, masks, qk.out)
     return _Match(
-        nodes=[*pre, sm, *post, pv],
-        q=_peel(view, qk.inputs[0], qk, allow_scale=True),
-        k=_peel(view, qk.inputs[1], qk, allow_scale=True),
-        v=_peel(view, pv.inputs[1], pv, allow_scale=False),
-        out=pv.outputs[0], scale=scale, causal=causal, mask=mask, k_transposed=True,
+        nodes=[*pre, *qk.nodes, sm, *guard, *post, *pv.nodes],
+        q=_peel(view, qk.a, qk.a_reader, allow_scale=True),
+        k=_peel(view, qk.b, qk.b_reader, allow_scale=True),
+        v=_peel(view, pv.b, pv.b_reader, allow_scale=False),
+        out=pv.out, scale=scale, causal=causal, mask=mask, k_transposed=True,
     )
 
 

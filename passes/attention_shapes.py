@@ -10,10 +10,13 @@ canonicalize's evaluators, so "this Reshape merges exactly these two axes" and "
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 
 import numpy as np
 import sympy
+from sympy.parsing.sympy_parser import parse_expr
 
 from tkopt.ir import Node, Value
 
@@ -29,7 +32,10 @@ def _trilu(n: Node, ins: Sequence[np.ndarray | None]) -> np.ndarray:
     return np.triu(ins[0], k) if n.attrs.get("upper", 1) else np.tril(ins[0], k)
 
 
-LOCAL_EVALUATORS = {**EVALUATORS, "Trilu": _trilu}
+LOCAL_EVALUATORS = {
+    **EVALUATORS, "Trilu": _trilu,
+    "aten::scalar_tensor": lambda n, i: np.asarray(n.attrs["s"], dtype=n.attrs.get("dtype") or "float32"),
+}
 
 
 def same(a: sympy.Expr | None, b: sympy.Expr | None) -> bool:
@@ -55,7 +61,7 @@ class Shapes:
             return None
         return tuple(
             sympy.Integer(d) if isinstance(d, int)
-            else sympy.Symbol(d if isinstance(d, str) else f"?{v.name}:{i}", integer=True, positive=True)
+            else _dim(d) if isinstance(d, str) else sympy.Symbol(f"?{v.name}:{i}")
             for i, d in enumerate(v.shape)
         )
 
@@ -139,6 +145,16 @@ class Shapes:
         except (TypeError, ValueError):
             pass
         return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim(text: str) -> sympy.Expr:
+    """A symbolic dim: a name ("batch", "unk__3", "s0") or the FX frontend's expression ("4*s77")."""
+    names = {n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)}
+    try:
+        return sympy.sympify(parse_expr(text, local_dict=names, global_dict={"Integer": sympy.Integer}))
+    except Exception:  # noqa: BLE001 - any name the parser cannot read is just an opaque symbol
+        return sympy.Symbol(text)
 
 
 def _reshape(src: Shape, target: list[object], allowzero: int) -> Shape | None:
