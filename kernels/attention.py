@@ -1,0 +1,604 @@
+"""Flash attention forward: softmax(q k^T * scale + mask) v, online softmax, fp32 accumulate.
+
+Semantics are exactly `reference.flash_attention_ref`. One public entry point, `flash_attention`, and
+two public program builders that another engineer lowers to C / CUDA source:
+
+- `gpu_program(arch, ...)`: the sm90 (wgmma via T.gemm, TMA loads, T.Pipelined; TileLang's
+  producer/consumer warp specialization applies automatically to the TMA pipeline) and sm80 (mma,
+  cp.async pipeline) variants. Both are the same template; they differ in target and config.
+- `cpu_program(...)`: the C-backend variant (serial, one query row per program, blocked online softmax).
+
+Compile-time keys (all hashable; see the builders' docstrings): dtype, head dim, query heads, kv heads,
+causal, per-tensor layouts of q / k / v / out ("bhsd" or "bshd"), mask kind (None, "add" float32 or
+"bool" uint8), which mask dims are broadcast (size 1), the softmax scale, and the tile config.
+Batch, query length and key/value length are dynamic (`T.dynamic`), so one compiled kernel serves
+every batch size and sequence length; compiled kernels are cached in memory per key.
+
+Layouts: each of q, k, v, out is indexed in whichever of BHSD / BSHD it is contiguous in, so a BSHD
+tensor (or a transposed view of a BHSD one) is read in place through the kernel's indexing, never
+copied. Only tensors contiguous in neither layout are copied (`.contiguous()` in the requested layout).
+
+Masks: any tensor broadcastable to (B, Hq, Sq, Skv). Leading dims are added as size 1; every size-1
+dim is a broadcast dim the kernel indexes at 0 (stride-0 semantics, nothing is expanded). A float mask
+is read as float32 (converted if given in another float dtype) and added after scaling; a bool mask is
+read as uint8 through a zero-copy view and keeps where True. Fully masked rows give zeros.
+"""
+
+import functools
+import math
+from collections.abc import Sequence
+
+import tilelang.language as T
+import torch
+
+from .arch import UnsupportedError, arch_of
+
+LOG2E = 1.4426950408889634
+LAYOUTS = ("bhsd", "bshd")
+GPU_HEAD_DIMS = (64, 128)
+CPU_MAX_HEAD_DIM = 256
+_GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+# Default tile configs per arch; `fp32` (tf32-free mma fallback, see _default_config) uses smaller tiles.
+DEFAULT_CONFIGS = {
+    ("sm90", 64): dict(block_M=128, block_N=128, num_stages=2, threads=256),
+    ("sm90", 128): dict(block_M=128, block_N=128, num_stages=2, threads=256),
+    # 128 threads with block_M=128, D=128 spill (255 regs + 128 B spills per ptxas): use 256.
+    ("sm80", 64): dict(block_M=128, block_N=64, num_stages=2, threads=256),
+    ("sm80", 128): dict(block_M=128, block_N=64, num_stages=2, threads=256),
+}
+FP32_CONFIG = dict(block_M=64, block_N=32, num_stages=1, threads=128)
+CPU_BLOCK_N = 32
+last_config: dict[str, dict] = {}  # the GPU config used by the latest call, per arch (for benchmarks)
+
+# Small tuning space, timed by tuning.pick_config (TKOPT_AUTOTUNE unset or 1) for fp16/bf16.
+TUNE_CANDIDATES = {
+    "sm90": [
+        dict(block_M=128, block_N=128, num_stages=2, threads=256),
+        dict(block_M=128, block_N=64, num_stages=2, threads=256),
+        dict(block_M=128, block_N=128, num_stages=1, threads=256),
+        dict(block_M=64, block_N=128, num_stages=2, threads=128),
+    ],
+    "sm80": [
+        dict(block_M=128, block_N=64, num_stages=2, threads=256),
+        dict(block_M=128, block_N=128, num_stages=2, threads=256),
+        dict(block_M=64, block_N=64, num_stages=3, threads=128),
+    ],
+}
+
+
+def _io_shape(layout: str, b, h, s, d) -> list:
+    return [b, h, s, d] if layout == "bhsd" else [b, s, h, d]
+
+
+def _mask_shape(bcast: tuple[bool, bool, bool, bool], full: Sequence) -> list:
+    return [1 if bc else n for bc, n in zip(bcast, full, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU program (sm90 / sm80)
+# ---------------------------------------------------------------------------------------------------
+def gpu_program(
+    dtype: str,
+    dim: int,
+    heads_q: int,
+    heads_kv: int,
+    causal: bool,
+    layouts: tuple[str, str, str, str] = ("bhsd",) * 4,
+    mask_kind: str | None = None,
+    mask_bcast: tuple[bool, bool, bool, bool] = (False,) * 4,
+    scale: float | None = None,
+    block_M: int = 128,
+    block_N: int = 128,
+    num_stages: int = 2,
+    threads: int = 256,
+):
+    """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
+
+    Parameters (Q, K, V[, Mask], Output); batch, seq_q, seq_kv are dynamic. `layouts` gives the layout
+    of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask, nonzero keeps);
+    `mask_bcast` marks which of the mask's (B, Hq, Sq, Skv) dims have size 1. `scale` defaults to
+    1/sqrt(dim). Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads.
+    """
+    if heads_q % heads_kv:
+        raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    group = heads_q // heads_kv
+    accum = "float32"
+    batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
+    lq, lk, lv, lo = layouts
+    q_shape = _io_shape(lq, batch, heads_q, seq_q, dim)
+    k_shape = _io_shape(lk, batch, heads_kv, seq_kv, dim)
+    v_shape = _io_shape(lv, batch, heads_kv, seq_kv, dim)
+    o_shape = _io_shape(lo, batch, heads_q, seq_q, dim)
+    has_mask = mask_kind is not None
+    m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
+    m_dtype = "uint8" if mask_kind == "bool" else "float32"
+    bb, bh, bq, bk = mask_bcast
+    # Without a mask the scale is folded into exp2 (one FMA per score); with one, scores are scaled
+    # explicitly to the log2 domain so that the additive mask is not scaled.
+    s_log2 = scale * LOG2E
+    ex_scale = 1.0 if has_mask else s_log2
+    neg_inf = -T.infinity(accum)
+    # fp32 (tf32 tensor-core math): P goes through shared memory; a float32 register fragment cannot be
+    # reused as the A operand of the second GEMM (TileLang's layout inference rejects the fragment copy).
+    fp32 = dtype == "float32"
+
+    def tile(buf, layout, b, h, s0, n):
+        if layout == "bhsd":
+            return buf[b, h, s0 : s0 + n, :]
+        return buf[b, s0 : s0 + n, h, :]
+
+    @T.macro
+    def body(Q, K, V, Mask, Output):
+        with T.Kernel(T.ceildiv(seq_q, block_M), heads_q, batch, threads=threads) as (bx, by, bz):
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([block_N, dim], dtype)
+            V_shared = T.alloc_shared([block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum)
+            if fp32:
+                P_shared = T.alloc_shared([block_M, block_N], dtype)
+            else:
+                acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum)
+            scores_max = T.alloc_fragment([block_M], accum)
+            scores_max_prev = T.alloc_fragment([block_M], accum)
+            scores_scale = T.alloc_fragment([block_M], accum)
+            scores_sum = T.alloc_fragment([block_M], accum)
+            logsum = T.alloc_fragment([block_M], accum)
+            hk = by // group
+
+            T.copy(tile(Q, lq, bz, by, bx * block_M, block_M), Q_shared)
+            T.fill(acc_o, 0)
+            T.fill(logsum, 0)
+            T.fill(scores_max, neg_inf)
+
+            if causal:
+                loop_range = T.min(T.ceildiv(seq_kv, block_N), T.ceildiv((bx + 1) * block_M, block_N))
+            else:
+                loop_range = T.ceildiv(seq_kv, block_N)
+
+            for k in T.Pipelined(loop_range, num_stages=num_stages):
+                T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
+                if causal:
+                    for i, j in T.Parallel(block_M, block_N):
+                        q_idx = bx * block_M + i
+                        k_idx = k * block_N + j
+                        acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), 0, neg_inf)
+                else:
+                    for i, j in T.Parallel(block_M, block_N):
+                        acc_s[i, j] = T.if_then_else(k * block_N + j >= seq_kv, neg_inf, 0)
+                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if has_mask:
+                    for i, j in T.Parallel(block_M, block_N):
+                        q_idx = bx * block_M + i
+                        k_idx = k * block_N + j
+                        mb = 0 if bb else bz
+                        mh = 0 if bh else by
+                        mq = 0 if bq else T.min(q_idx, seq_q - 1)
+                        mk = 0 if bk else T.min(k_idx, seq_kv - 1)
+                        if mask_kind == "bool":
+                            acc_s[i, j] = T.if_then_else(
+                                Mask[mb, mh, mq, mk] != T.uint8(0), acc_s[i, j] * s_log2, neg_inf
+                            )
+                        else:
+                            acc_s[i, j] = acc_s[i, j] * s_log2 + Mask[mb, mh, mq, mk] * LOG2E
+
+                T.copy(scores_max, scores_max_prev)
+                T.fill(scores_max, neg_inf)
+                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+                for i in T.Parallel(block_M):
+                    scores_max[i] = T.max(scores_max[i], scores_max_prev[i])
+                if has_mask:
+                    # A row with every key so far masked has max -inf: use 0 so exp2 gives 0, not NaN.
+                    for i in T.Parallel(block_M):
+                        scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+                for i in T.Parallel(block_M):
+                    scores_scale[i] = T.exp2(scores_max_prev[i] * ex_scale - scores_max[i] * ex_scale)
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * ex_scale - scores_max[i] * ex_scale)
+                T.reduce_sum(acc_s, scores_sum, dim=1)
+                for i in T.Parallel(block_M):
+                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+                if fp32:
+                    T.copy(acc_s, P_shared)
+                else:
+                    T.copy(acc_s, acc_s_cast)
+
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] *= scores_scale[i]
+
+                T.copy(tile(V, lv, bz, hk, k * block_N, block_N), V_shared)
+                if fp32:
+                    T.gemm(P_shared, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                else:
+                    T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            if has_mask:
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] = T.if_then_else(logsum[i] == 0, 0, acc_o[i, j] / logsum[i])
+            else:
+                for i, j in T.Parallel(block_M, dim):
+                    acc_o[i, j] /= logsum[i]
+            T.copy(acc_o, O_shared)
+            T.copy(O_shared, tile(Output, lo, bz, by, bx * block_M, block_M))
+
+    if has_mask:
+
+        @T.prim_func
+        def flash_attention_fwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            Mask: T.Tensor(m_shape, m_dtype),
+            Output: T.Tensor(o_shape, dtype),
+        ):
+            body(Q, K, V, Mask, Output)
+
+    else:
+
+        @T.prim_func
+        def flash_attention_fwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            Output: T.Tensor(o_shape, dtype),
+        ):
+            body(Q, K, V, Q, Output)
+
+    return flash_attention_fwd
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU program (C backend)
+# ---------------------------------------------------------------------------------------------------
+def cpu_program(
+    dtype: str,
+    dim: int,
+    heads_q: int,
+    heads_kv: int,
+    causal: bool,
+    layouts: tuple[str, str, str, str] = ("bhsd",) * 4,
+    mask_kind: str | None = None,
+    mask_bcast: tuple[bool, bool, bool, bool] = (False,) * 4,
+    scale: float | None = None,
+    block_N: int = CPU_BLOCK_N,
+):
+    """The C-backend `T.prim_func`: one program per (query row, head, batch), blocks of `block_N` keys.
+
+    Same parameters and dynamic dims as `gpu_program` (float32 or float64; accumulation in float32, or
+    float64 for float64). Serial and scalar: for portability and CI numerics, not speed.
+    """
+    from tilelang.cpu.language import Kernel as CpuKernel
+
+    if heads_q % heads_kv:
+        raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    group = heads_q // heads_kv
+    accum = "float64" if dtype == "float64" else "float32"
+    batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
+    lq, lk, lv, lo = layouts
+    q_shape = _io_shape(lq, batch, heads_q, seq_q, dim)
+    k_shape = _io_shape(lk, batch, heads_kv, seq_kv, dim)
+    v_shape = _io_shape(lv, batch, heads_kv, seq_kv, dim)
+    o_shape = _io_shape(lo, batch, heads_q, seq_q, dim)
+    has_mask = mask_kind is not None
+    m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
+    m_dtype = "uint8" if mask_kind == "bool" else "float32"
+    bb, bh, bq, bk = mask_bcast
+    neg_inf = -T.infinity(accum)
+
+    def at(buf, layout, b, h, s, d):
+        return buf[b, h, s, d] if layout == "bhsd" else buf[b, s, h, d]
+
+    @T.macro
+    def body(Q, K, V, Mask, Output):
+        with CpuKernel(seq_q, heads_q, batch) as (qi, hq, b):
+            acc = T.alloc_local([dim], accum)
+            s = T.alloc_local([block_N], accum)
+            stat = T.alloc_local([4], accum)  # running max, running sum, block max, rescale factor
+            hk = hq // group
+            for d in T.serial(dim):
+                acc[d] = 0
+            stat[0] = neg_inf
+            stat[1] = 0
+            n_keys = T.min(seq_kv, qi + 1) if causal else seq_kv
+            for kb in T.serial(T.ceildiv(n_keys, block_N)):
+                for j in T.serial(block_N):
+                    kj = kb * block_N + j
+                    s[j] = neg_inf
+                    if kj < n_keys:
+                        s[j] = 0
+                        for d in T.serial(dim):
+                            s[j] += T.cast(at(Q, lq, b, hq, qi, d), accum) * T.cast(at(K, lk, b, hk, kj, d), accum)
+                        s[j] = s[j] * scale
+                        if has_mask:
+                            mb = 0 if bb else b
+                            mh = 0 if bh else hq
+                            mq = 0 if bq else qi
+                            mk = 0 if bk else kj
+                            if mask_kind == "bool":
+                                s[j] = T.if_then_else(Mask[mb, mh, mq, mk] != T.uint8(0), s[j], neg_inf)
+                            else:
+                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum)
+                stat[2] = stat[0]
+                for j in T.serial(block_N):
+                    stat[2] = T.if_then_else(s[j] > stat[2], s[j], stat[2])
+                # All keys so far masked: keep the max at -inf but exponentiate against 0 (gives 0, not NaN).
+                stat[3] = T.if_then_else(stat[2] == neg_inf, T.cast(0, accum), stat[2])
+                stat[1] = stat[1] * T.exp(stat[0] - stat[3])
+                for d in T.serial(dim):
+                    acc[d] = acc[d] * T.exp(stat[0] - stat[3])
+                for j in T.serial(block_N):
+                    s[j] = T.exp(s[j] - stat[3])
+                    stat[1] = stat[1] + s[j]
+                for j in T.serial(block_N):
+                    kj = kb * block_N + j
+                    if kj < n_keys:
+                        for d in T.serial(dim):
+                            acc[d] += s[j] * T.cast(at(V, lv, b, hk, kj, d), accum)
+                stat[0] = stat[2]
+            for d in T.serial(dim):
+                if lo == "bhsd":
+                    Output[b, hq, qi, d] = T.cast(
+                        T.if_then_else(stat[1] == 0, T.cast(0, accum), acc[d] / stat[1]), dtype
+                    )
+                else:
+                    Output[b, qi, hq, d] = T.cast(
+                        T.if_then_else(stat[1] == 0, T.cast(0, accum), acc[d] / stat[1]), dtype
+                    )
+
+    if has_mask:
+
+        @T.prim_func
+        def flash_attention_fwd_cpu(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            Mask: T.Tensor(m_shape, m_dtype),
+            Output: T.Tensor(o_shape, dtype),
+        ):
+            body(Q, K, V, Mask, Output)
+
+    else:
+
+        @T.prim_func
+        def flash_attention_fwd_cpu(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            Output: T.Tensor(o_shape, dtype),
+        ):
+            body(Q, K, V, Q, Output)
+
+    return flash_attention_fwd_cpu
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compilation (cached per compile-time key; dynamic dims make the key shape-free apart from heads/dim)
+# ---------------------------------------------------------------------------------------------------
+def tl_target(arch: str):
+    """TileLang target for an arch (TileLang 0.1.15 rejects CLI strings such as "cuda -arch=sm_90a")."""
+    if arch == "cpu":
+        return "c"
+    if arch not in ("sm90", "sm80"):
+        raise UnsupportedError(f"unknown arch {arch!r}; expected sm90, sm80 or cpu")
+    return {"kind": "cuda", "arch": "sm_90a" if arch == "sm90" else "sm_80"}
+
+
+def _pass_configs(arch: str = "sm90") -> dict:
+    cfg = {"tl.enable_fast_math": True}
+    if arch == "sm80":
+        # TileLang 0.1.15 bug: with a dynamic trip count, the cp.async pipeline epilogue is a T.unroll loop
+        # whose ptx_wait_group count depends on the loop var, and CUDA codegen needs a constant
+        # ("Downcast from tirx.Sub to ir.IntImm failed"). Explicit unrolling makes the counts constants.
+        cfg["tl.UnrollLoop"] = {"explicit_unroll": True}
+    return cfg
+
+
+@functools.cache
+def compile_gpu(arch: str, key: tuple, config_items: tuple):
+    """Compile (and cache) the GPU kernel for `key` = gpu_program's keys and a config as sorted items."""
+    import tilelang
+
+    func = gpu_program(*key, **dict(config_items))
+    return tilelang.compile(func, target=tl_target(arch), pass_configs=_pass_configs(arch))
+
+
+@functools.cache
+def compile_cpu(key: tuple):
+    import tilelang
+    from tilelang import tvm
+
+    func = cpu_program(*key)
+    with tvm.target.Target("c"):
+        return tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
+
+
+def _pick_config(arch: str, key: tuple, dtype: str, dim: int, run_with) -> dict:
+    if dtype == "float32":
+        return dict(FP32_CONFIG)
+    default = dict(DEFAULT_CONFIGS[(arch, dim)])
+    try:
+        from .tuning import pick_config
+    except ImportError:  # tuning module not available: defaults only
+        return default
+    return pick_config("flash_attention", arch, key, TUNE_CANDIDATES[arch], default, run_with)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public wrapper
+# ---------------------------------------------------------------------------------------------------
+def _layout_of(t: torch.Tensor, want: str) -> tuple[str, torch.Tensor]:
+    """(layout the kernel should index t in, t or a contiguous copy). t is given in layout `want`."""
+    if t.is_contiguous():
+        return want, t
+    other = "bshd" if want == "bhsd" else "bhsd"
+    if t.transpose(1, 2).is_contiguous():
+        return other, t
+    return want, t.contiguous()
+
+
+def _as_kernel_view(t: torch.Tensor, given: str, kernel_layout: str) -> torch.Tensor:
+    """t in logical layout `given` viewed in `kernel_layout` (a zero-copy view when it is contiguous there)."""
+    return t if given == kernel_layout else t.transpose(1, 2)
+
+
+def kernel_layouts(q, k, v, layout: str):
+    """((layout of q, k, v, out) as the kernel indexes them, (q, k, v) as views in those layouts).
+
+    Each of q/k/v (given in `layout`) is read in whichever of BHSD / BSHD it is contiguous in (a zero-copy
+    view); one contiguous in neither is copied to `layout`. The output is always written in `layout`.
+    """
+    lays, views = [], []
+    for t in (q, k, v):
+        lt, t = _layout_of(t, layout)
+        lays.append(lt)
+        views.append(_as_kernel_view(t, layout, lt))
+    return (*lays, layout), tuple(views)
+
+
+def _check_inputs(q, k, v, mask, layout):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"flash_attention: {name} must be 4-D ({layout}: "
+                f"{'(batch, heads, seq, dim)' if layout == 'bhsd' else '(batch, seq, heads, dim)'}), "
+                f"got shape {tuple(t.shape)}"
+            )
+    if layout not in LAYOUTS:
+        raise ValueError(f"flash_attention: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"flash_attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    hd = (1, 2) if layout == "bhsd" else (2, 1)  # (heads dim, seq dim)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"flash_attention: batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) differ")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"flash_attention: head dim of q ({q.shape[3]}) and k/v ({k.shape[3]}) differ")
+    hq, hkv = q.shape[hd[0]], k.shape[hd[0]]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"flash_attention: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    b, sq, skv = q.shape[0], q.shape[hd[1]], k.shape[hd[1]]
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"flash_attention: mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.device != q.device:
+            raise ValueError(f"flash_attention: mask is on {mask.device}, q on {q.device}")
+        if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+            raise ValueError(f"flash_attention: mask must be bool or floating, got {mask.dtype}")
+        full = (b, hq, sq, skv)
+        if mask.dim() > 4 or any(
+            m not in (1, f) for m, f in zip(mask.shape, full[4 - mask.dim() :], strict=True)
+        ):
+            raise ValueError(
+                f"flash_attention: mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"(B, Hq, Sq, Skv) = {full}"
+            )
+    return b, hq, hkv, sq, skv
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    layout: str = "bhsd",
+    out: torch.Tensor | None = None,
+    arch: str | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v per head, as `reference.flash_attention_ref` (same arguments).
+
+    layout "bhsd" (batch, heads, seq, dim) or "bshd" (batch, seq, heads, dim), for q, k, v and the output.
+    GQA: k/v may have fewer heads, dividing q's. mask: float (added) or bool (keep where True),
+    broadcastable to (B, Hq, Sq, Skv). causal: top-left aligned. Extras: `out` (written in place and
+    returned; q's shape and dtype, contiguous in `layout`), `arch` (force "sm90" / "sm80"; else
+    arch_of), `config` (tile config dict for GPU variants; else default / tuned).
+    GPU: fp16, bf16, fp32; head dim 64 or 128. CPU: fp32, fp64; head dim <= 256.
+    """
+    b, hq, hkv, sq, skv = _check_inputs(q, k, v, mask, layout)
+    dim = q.shape[3]
+    a = arch_of(q, arch)
+    if a == "cpu":
+        if q.dtype not in _CPU_DTYPES:
+            raise UnsupportedError(f"flash_attention: the cpu variant supports float32/float64, not {q.dtype}")
+        if dim > CPU_MAX_HEAD_DIM:
+            raise UnsupportedError(f"flash_attention: the cpu variant supports head dim <= 256, not {dim}")
+        dtype = _CPU_DTYPES[q.dtype]
+    else:
+        if q.dtype not in _GPU_DTYPES:
+            raise UnsupportedError(f"flash_attention: {a} supports float16/bfloat16/float32, not {q.dtype}")
+        if dim not in GPU_HEAD_DIMS:
+            raise UnsupportedError(f"flash_attention: {a} supports head dims {GPU_HEAD_DIMS}, not {dim}")
+        dtype = _GPU_DTYPES[q.dtype]
+
+    if out is None:
+        shape = (b, hq, sq, dim) if layout == "bhsd" else (b, sq, hq, dim)
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    else:
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+            raise ValueError(
+                f"flash_attention: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} "
+                f"on {q.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+    if out.numel() == 0:
+        return out
+    if skv == 0:  # no keys: every row is fully masked
+        return out.zero_()
+
+    layouts, (q, k, v) = kernel_layouts(q, k, v, layout)
+
+    mask_kind, bcast, margs = None, (False,) * 4, ()
+    if mask is not None:
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        bcast = tuple(n == 1 for n in m.shape)
+        if m.dtype == torch.bool:
+            mask_kind, m = "bool", m.contiguous().view(torch.uint8)
+        else:
+            mask_kind, m = "add", m.to(torch.float32).contiguous()
+        margs = (m,)
+    key = (
+        None,
+        dim,
+        hq,
+        hkv,
+        bool(causal),
+        layouts,
+        mask_kind,
+        bcast,
+        None if scale is None else float(scale),
+    )
+
+    if a == "cpu":
+        kern = compile_cpu((dtype,) + key[1:])
+        kern(q, k, v, *margs, out)
+        return out
+
+    gkey = (dtype,) + key[1:]
+
+    def run_with(cfg: dict) -> float:
+        import triton.testing
+
+        kk = compile_gpu(a, gkey, tuple(sorted(cfg.items())))
+        return triton.testing.do_bench(lambda: kk(q, k, v, *margs, out), return_mode="median")
+
+    if config is None:
+        # Tuning key: the compile key plus the rounded problem size (tuned configs depend on the size).
+        size = (b, 1 << max(0, (sq - 1).bit_length()), 1 << max(0, (skv - 1).bit_length()))
+        config = _pick_config(a, gkey + size, dtype, dim, run_with)
+    last_config[a] = dict(config)
+    kern = compile_gpu(a, gkey, tuple(sorted(config.items())))
+    kern(q, k, v, *margs, out)
+    return out
+

@@ -1,0 +1,281 @@
+"""flash_attention: CPU variant vs the float64 reference, input checks, CUDA lowering + nvcc (sm90, sm80)
+in CI, and GPU numerics (marked gpu) for sm90 / sm80 x fp16 / bf16 / fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cuda_compile, lower_cuda
+from tkopt.kernels import attention as A
+from tkopt.kernels.arch import UnsupportedError
+from tkopt.kernels.attention import flash_attention
+from tkopt.kernels.reference import flash_attention_ref
+
+
+def _rand(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values in the output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _qkv(b, hq, hkv, sq, skv, d, layout="bhsd", dtype=torch.float32, device="cpu"):
+    if layout == "bhsd":
+        return (_rand(b, hq, sq, d, dtype=dtype, device=device), _rand(b, hkv, skv, d, dtype=dtype, device=device),
+                _rand(b, hkv, skv, d, dtype=dtype, device=device))  # fmt: skip
+    return (_rand(b, sq, hq, d, dtype=dtype, device=device), _rand(b, skv, hkv, d, dtype=dtype, device=device),
+            _rand(b, skv, hkv, d, dtype=dtype, device=device))  # fmt: skip
+
+
+def _ref(q, k, v, **kw):
+    return flash_attention_ref(q.double(), k.double(), v.double(), **{
+        k_: (v_.double() if isinstance(v_, torch.Tensor) and v_.is_floating_point() else v_) for k_, v_ in kw.items()
+    })  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ CPU variant
+# Shapes share one compiled kernel per (heads, dim, flags): sequence lengths and batch are dynamic.
+CPU_SHAPES = [  # (B, Sq, Skv)
+    (2, 37, 45),
+    (1, 1, 1),
+    (1, 1, 70),
+    (3, 50, 17),  # Sq > Skv
+    (1, 64, 64),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_matches_reference_gqa(causal):
+    torch.manual_seed(1)
+    for b, sq, skv in CPU_SHAPES:
+        q, k, v = _qkv(b, 4, 2, sq, skv, 32)
+        out = torch.full_like(q, float("nan"))
+        flash_attention(q, k, v, causal=causal, out=out)
+        ref = _ref(q, k, v, causal=causal)
+        assert _rel(out, ref) < 1e-5, (b, sq, skv, causal)
+
+
+def test_cpu_dynamic_lengths_do_not_recompile():
+    torch.manual_seed(2)
+    q, k, v = _qkv(1, 2, 2, 9, 11, 16)
+    flash_attention(q, k, v)
+    misses = A.compile_cpu.cache_info().misses
+    for b, sq, skv in [(2, 33, 7), (1, 5, 90)]:
+        q, k, v = _qkv(b, 2, 2, sq, skv, 16)
+        assert _rel(flash_attention(q, k, v), _ref(q, k, v)) < 1e-5
+    assert A.compile_cpu.cache_info().misses == misses
+
+
+def test_cpu_bshd_and_mixed_strides():
+    torch.manual_seed(3)
+    q, k, v = _qkv(2, 4, 2, 21, 30, 32, layout="bshd")
+    out = flash_attention(q, k, v, causal=True, layout="bshd")
+    assert out.shape == q.shape and out.is_contiguous()
+    assert _rel(out, _ref(q, k, v, causal=True, layout="bshd")) < 1e-5
+    # k/v given as transposed views of BHSD tensors (non-contiguous as BSHD): read in place, not copied.
+    kb, vb = _rand(2, 2, 30, 32), _rand(2, 2, 30, 32)
+    k2, v2 = kb.transpose(1, 2), vb.transpose(1, 2)
+    assert not k2.is_contiguous()
+    out = flash_attention(q, k2, v2, layout="bshd")
+    assert _rel(out, _ref(q, k2, v2, layout="bshd")) < 1e-5
+    layouts, tensors = A.kernel_layouts(q, k2, v2, "bshd")
+    assert layouts == ("bshd", "bhsd", "bhsd", "bshd")
+    assert tensors[1].data_ptr() == kb.data_ptr() and tensors[1].is_contiguous()  # a view, not a copy
+
+
+def test_cpu_noncontiguous_copied():
+    torch.manual_seed(4)
+    big = _rand(2, 3, 19, 64)
+    q = big[..., ::2]  # contiguous in neither layout
+    k, v = _rand(2, 3, 23, 32), _rand(2, 3, 23, 32)
+    assert _rel(flash_attention(q, k, v), _ref(q, k, v)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "mshape",
+    [(2, 4, 13, 29), (13, 29), (2, 1, 1, 29)],
+    ids=["full", "2d", "keypad"],
+)
+def test_cpu_float_mask_broadcast(mshape):
+    torch.manual_seed(5)
+    q, k, v = _qkv(2, 4, 2, 13, 29, 32)
+    mask = _rand(*mshape) * 2
+    out = flash_attention(q, k, v, mask=mask)
+    assert _rel(out, _ref(q, k, v, mask=mask)) < 1e-5
+
+
+def test_cpu_bool_mask_fully_masked_rows_are_zero():
+    torch.manual_seed(6)
+    q, k, v = _qkv(2, 4, 2, 13, 40, 32)
+    mask = torch.rand(2, 1, 13, 40) > 0.5
+    mask[0, 0, 3] = False  # row 3 of batch 0: every key masked
+    mask[1, 0, :, :] = False
+    mask[1, 0, 5, 39] = True  # only the last key (in the last key block)
+    out = torch.full_like(q, float("nan"))
+    flash_attention(q, k, v, mask=mask, causal=False, out=out)
+    ref = _ref(q, k, v, mask=mask)
+    assert (out[0, :, 3] == 0).all() and (out[1, :, 0] == 0).all()
+    assert _rel(out, ref) < 1e-5
+    # -inf additive mask: same rule
+    fmask = torch.zeros(2, 1, 13, 40).masked_fill(~mask, float("-inf"))
+    out = flash_attention(q, k, v, mask=fmask, causal=True)
+    assert _rel(out, _ref(q, k, v, mask=fmask, causal=True)) < 1e-5
+
+
+def test_cpu_scale_float64_and_head_dims():
+    torch.manual_seed(7)
+    q, k, v = _qkv(1, 2, 2, 17, 19, 48, dtype=torch.float64)
+    out = flash_attention(q, k, v, scale=0.3, causal=True)
+    assert out.dtype == torch.float64
+    assert _rel(out, _ref(q, k, v, scale=0.3, causal=True)) < 1e-12
+
+
+def test_cpu_empty_and_no_keys():
+    q, k, v = _qkv(2, 2, 2, 0, 5, 16)
+    assert flash_attention(q, k, v).shape == (2, 2, 0, 16)
+    q, k, v = _qkv(2, 2, 2, 3, 0, 16)
+    out = flash_attention(q, k, v)
+    assert out.shape == (2, 2, 3, 16) and (out == 0).all()
+    assert torch.equal(out, _ref(q, k, v).to(out.dtype))
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = _qkv(1, 4, 2, 8, 8, 16)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        flash_attention(q, k.double(), v)
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of key/value heads \(3\)"):
+        flash_attention(q, _rand(1, 3, 8, 16), _rand(1, 3, 8, 16))
+    with pytest.raises(ValueError, match="k and v shapes differ"):
+        flash_attention(q, k, _rand(1, 2, 9, 16))
+    with pytest.raises(ValueError, match="head dim of q"):
+        flash_attention(q, _rand(1, 2, 8, 32), _rand(1, 2, 8, 32))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        flash_attention(q, k, v, mask=torch.zeros(1, 4, 7, 8))
+    with pytest.raises(ValueError, match="mask must be bool or floating"):
+        flash_attention(q, k, v, mask=torch.zeros(8, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="layout must be"):
+        flash_attention(q, k, v, layout="sbhd")
+    with pytest.raises(UnsupportedError, match="cpu variant supports float32/float64"):
+        flash_attention(q.half(), k.half(), v.half())
+    with pytest.raises(UnsupportedError, match="head dim <= 256"):
+        flash_attention(_rand(1, 1, 2, 300), _rand(1, 1, 2, 300), _rand(1, 1, 2, 300))
+    with pytest.raises(UnsupportedError, match="needs CUDA tensors"):
+        flash_attention(q, k, v, arch="sm90")
+    with pytest.raises(ValueError, match="out must be"):
+        flash_attention(q, k, v, out=torch.empty(1, 4, 8, 15))
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        flash_attention(q, None, v)
+
+
+# ---------------------------------------------------------------------- CUDA lowering + nvcc (no GPU)
+# (arch, dtype, dim, heads_q, heads_kv, causal, layouts, mask_kind, mask_bcast)
+LOWER_CASES = {
+    "sm90-f16-d128-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bhsd",) * 4, None, (False,) * 4),
+    "sm90-bf16-d64-addmask-bshd": ("sm90", "bfloat16", 64, 4, 4, False, ("bshd",) * 4, "add",
+                                   (False, True, False, False)),
+    "sm80-f16-d128-causal": ("sm80", "float16", 128, 4, 4, True, ("bhsd",) * 4, None, (False,) * 4),
+    "sm80-bf16-d64-boolmask-gqa": ("sm80", "bfloat16", 64, 8, 2, False, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
+                                   (False, True, True, False)),
+}  # fmt: skip
+
+
+def _lower(case):
+    arch, dtype, dim, hq, hkv, causal, layouts, mk, bc = case
+    cfg = A.DEFAULT_CONFIGS[(arch, dim)]
+    func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **cfg)
+    from tilelang import tvm
+
+    with tvm.transform.PassContext(config=A._pass_configs(arch)):
+        return lower_cuda(func, arch)
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    return {name: _lower(case) for name, case in LOWER_CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(LOWER_CASES))
+def test_cuda_lowers_and_nvcc_compiles(lowered, name):
+    arch = LOWER_CASES[name][0]
+    src = lowered[name]
+    if arch == "sm90":
+        assert "wgmma" in src and "tma_load" in src, "sm90 variant should use wgmma and TMA"
+        assert "warpgroup_reg_alloc" in src, "sm90 variant should be warp specialized"
+    else:
+        assert "cp_async" in src and "mma" in src and "wgmma" not in src
+    build = cuda_compile(src, arch)
+    assert build.registers and all(s == 0 for s in build.spills), build.log[-2000:]
+
+
+# ---------------------------------------------------------------------------------- GPU numerics
+GPU_ARCHS = ["sm90", "sm80"]
+GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (B, Hq, Hkv, Sq, Skv, D, causal, layout, mask)
+GPU_CASES = {
+    "d128": (2, 4, 4, 300, 300, 128, False, "bhsd", None),
+    "d64-causal-gqa-odd": (2, 8, 2, 200, 333, 64, True, "bhsd", None),
+    "d128-causal-sq>skv": (1, 4, 2, 257, 130, 128, True, "bshd", None),
+    "d64-addmask": (2, 4, 4, 150, 211, 64, False, "bhsd", "add"),
+    "d128-boolmask-bshd": (2, 4, 2, 129, 260, 128, True, "bshd", "bool"),
+}
+
+
+def gpu_case_enabled(dtype, case):
+    """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one. Each is a compiled kernel."""
+    if dtype == torch.float16:
+        return True
+    if dtype == torch.bfloat16:
+        return case in ("d64-causal-gqa-odd", "d128-boolmask-bshd")
+    return case == "d128"
+
+
+def _gpu_mask(kind, b, hq, sq, skv):
+    if kind is None:
+        return None
+    if kind == "add":
+        return torch.randn(b, 1, sq, skv, device="cuda") * 3
+    m = torch.rand(b, 1, 1, skv, device="cuda") > 0.3  # key padding style, broadcast over heads and rows
+    m[0, ..., :] = False  # batch 0: every row fully masked -> zeros
+    return m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+def test_gpu_matches_reference(arch, dtype, case):
+    major, _ = torch.cuda.get_device_capability()
+    if arch == "sm90" and major != 9:
+        pytest.skip("sm90 variant needs a Hopper GPU")
+    if not gpu_case_enabled(dtype, case):
+        pytest.skip("dtype checked on a subset of cases (keeps device compile time down)")
+    b, hq, hkv, sq, skv, d, causal, layout, mk = GPU_CASES[case]
+    torch.manual_seed(hash(case) % 1000)
+    q, k, v = _qkv(b, hq, hkv, sq, skv, d, layout=layout, dtype=dtype, device="cuda")
+    mask = _gpu_mask(mk, b, hq, sq, skv)
+    out = torch.full_like(q, float("nan"))
+    flash_attention(q, k, v, causal=causal, mask=mask, layout=layout, out=out, arch=arch)
+    torch.cuda.synchronize()
+    ref = flash_attention_ref(q.float(), k.float(), v.float(), causal=causal, mask=mask, layout=layout)
+    tol = 1e-2
+    assert _rel(out, ref) < tol
+    if mk == "bool":
+        assert (out[0] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_lengths_share_one_kernel():
+    q, k, v = _qkv(1, 4, 4, 100, 100, 64, dtype=torch.float16, device="cuda")
+    flash_attention(q, k, v)
+    misses = A.compile_gpu.cache_info().misses
+    for sq, skv in [(1, 513), (777, 64)]:
+        q, k, v = _qkv(3, 4, 4, sq, skv, 64, dtype=torch.float16, device="cuda")
+        out = flash_attention(q, k, v)
+        ref = flash_attention_ref(q.float(), k.float(), v.float())
+        assert _rel(out, ref) < 1e-2
+    assert A.compile_gpu.cache_info().misses == misses
