@@ -55,6 +55,7 @@ class Report:
     edits: dict[str, int] = field(default_factory=dict)
     refusals: list[Refusal] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
+    kernel_fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (node, why its kernel failed)
 
     @property
     def total_fused(self) -> int:

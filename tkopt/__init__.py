@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "compile": "tkopt.compile",
+    "compile": "tkopt.torch_compile",
     "optimize_onnx": "tkopt.api",
     "compare_onnx": "tkopt.api",
     "AccuracyError": "tkopt.api",

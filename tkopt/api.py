@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import onnx
 from tkopt.backends.onnx_model import check, export_onnx, save
 from tkopt.frontends.onnx import DTYPES, import_onnx, load_model
 from tkopt.onnx_runtime_ref import has_fused_nodes, native_library, run_model
+from tkopt.ort.library import LibraryBuild, build_library, check_target
+from tkopt.ort.session import LIBRARY_KEY, TARGET_KEY
 from tkopt.passes.pipeline import run_passes
 from tkopt.report import DEFAULT_TOLERANCE, TOLERANCES, Accuracy, OutputError, Report
 
@@ -28,34 +33,69 @@ def optimize_onnx(
     report: bool = True,
     check_accuracy: bool = False,
     verbose: bool = False,
+    target: str | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Fuse `model` and return (optimized ModelProto, Report).
+
+    With `target` ("cpu", "sm80", "sm90") the native ORT op library is built for it beside the
+    output (`<stem>.tkopt-<target>.so`, named in the model's metadata), nodes no kernel serves
+    are left unfused, and the accuracy check runs the fused model in ORT on that library.
 
     The result passes onnx.checker with full_check. With `check_accuracy`, fused and unfused
     outputs are compared on random inputs (AccuracyError if they differ; nothing is saved then).
     `output` is written atomically, with external data when the input had it or it is >= 2 GB.
     `report` prints the report (rich) to the console.
     """
+    if target is not None:
+        check_target(target)
     graph = import_onnx(model)
     ops_before = graph.count_ops()
     passes = run_passes(graph, disable)
-    optimized = export_onnx(graph)
-    try:
-        check(optimized)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise RuntimeError(f"{graph.meta['source']}: the optimized model fails onnx.checker (a tkopt bug): {e}") from e
-    rep = Report(source=graph.meta["source"], passes=passes, ops_before=ops_before, ops_after=graph.count_ops())
-    if check_accuracy:
-        rep.accuracy = compare_onnx(graph.meta["onnx_model"], optimized)
-    if output is not None and (rep.accuracy is None or rep.accuracy.ok):
-        save(optimized, output, external_data=True if graph.meta["external_data"] else None)
-        rep.output = str(output)
+    with tempfile.TemporaryDirectory(prefix="tkopt-") as tmp:
+        lib: LibraryBuild | None = None
+        if target is not None:
+            lib = build_library(graph, target, Path(tmp) / "ops.so")
+        optimized = export_onnx(graph)
+        final_lib = None
+        if lib is not None and lib.nodes:
+            final_lib = library_path(output if output is not None else Path(graph.meta["source"]), target)
+            onnx.helper.set_model_props(optimized, {LIBRARY_KEY: final_lib.name, TARGET_KEY: target})
+        rep = _finish(graph, optimized, passes, ops_before, output, check_accuracy, lib, final_lib)
     if report:
         rep.render(verbose=verbose)
     if rep.accuracy is not None and not rep.accuracy.ok:
         bad = [o.name for o in rep.accuracy.outputs if not o.ok]
         raise AccuracyError(f"{rep.source}: fused outputs {bad} differ from the original beyond tolerance")
     return optimized, rep
+
+
+def library_path(model_path: str | Path, target: str) -> Path:
+    """Where the op library for a model written at `model_path` goes: beside it, named for the target."""
+    p = Path(model_path)
+    return p.with_name(f"{p.stem.removesuffix('.tkopt')}.tkopt-{target}.so")
+
+
+def _finish(graph, optimized, passes, ops_before, output, check_accuracy, lib, final_lib) -> Report:
+    """Check, compare and save (model, then library, both atomically); nothing is saved on a mismatch."""
+    try:
+        check(optimized)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise RuntimeError(f"{graph.meta['source']}: the optimized model fails onnx.checker (a tkopt bug): {e}") from e
+    rep = Report(source=graph.meta["source"], passes=passes, ops_before=ops_before, ops_after=graph.count_ops())
+    if lib is not None:
+        rep.target, rep.unfused = lib.target, lib.unfused
+    built = str(lib.path) if lib is not None and lib.nodes else None
+    if check_accuracy:
+        rep.accuracy = compare_onnx(graph.meta["onnx_model"], optimized, custom_ops_library=built)
+    if output is not None and (rep.accuracy is None or rep.accuracy.ok):
+        save(optimized, output, external_data=True if graph.meta["external_data"] else None)
+        rep.output = str(output)
+        if built is not None:
+            tmp = final_lib.with_name(f".{final_lib.name}.tmp")
+            shutil.copyfile(built, tmp)
+            os.replace(tmp, final_lib)
+            rep.library = str(final_lib)
+    return rep
 
 
 def _dim_size(dim: int | str | None) -> int:
@@ -116,6 +156,7 @@ def compare_onnx(
     optimized: ModelLike,
     inputs: Mapping[str, np.ndarray] | None = None,
     seed: int = 0,
+    custom_ops_library: str | None = None,
 ) -> Accuracy:
     """Per-output max abs/rel error of the optimized (fused) model against the original run in ORT.
 
@@ -126,8 +167,9 @@ def compare_onnx(
     opt = optimized if isinstance(optimized, onnx.ModelProto) else load_model(optimized)[0]
     feeds = dict(inputs) if inputs is not None else make_inputs(orig, seed)
     want = run_model(orig, feeds, provider="ort")
-    fused_runner = "ort" if not has_fused_nodes(opt) or native_library() else "hybrid"
-    got = run_model(opt, feeds, provider=fused_runner)
+    lib = custom_ops_library or native_library()
+    fused_runner = "ort" if not has_fused_nodes(opt) or lib else "hybrid"
+    got = run_model(opt, feeds, provider=fused_runner, custom_ops_library=lib)
     missing = set(want) - set(got)
     if missing:
         raise ValueError(f"optimized model lacks outputs {sorted(missing)}")

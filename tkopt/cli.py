@@ -24,7 +24,7 @@ def _optimize_model(args: argparse.Namespace, model: Path, output: Path) -> int:
 
     try:
         _, rep = optimize_onnx(model, output, disable=args.disable, report=False,
-                               check_accuracy=not args.no_check_accuracy)
+                               check_accuracy=not args.no_check_accuracy, target=args.target)
     except AccuracyError as e:
         print(f"tkopt: error: {e}", file=sys.stderr)
         return EXIT_ACCURACY
@@ -55,6 +55,7 @@ def _add_optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", help="output file (default: <stem>.tkopt.onnx next to the input)")
     _add_common(p)
     p.add_argument("--list-passes", action="store_true", help="list the pass names (for --disable) and exit")
+    _add_target(p, None)
     p.set_defaults(run=_run_optimize)
 
 
@@ -63,6 +64,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="list refusals with reasons and all op counts")
     p.add_argument("--no-check-accuracy", action="store_true", help="skip the fused-vs-unfused comparison")
+
+
+def _add_target(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--target", choices=("cpu", "sm80", "sm90"), default=default,
+                   help="build the native ORT op library for this target beside the output"
+                   + (f" (default: {default})" if default else ""))
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -82,10 +89,23 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="export the bundled example model, optimize it, show report and accuracy")
     p.add_argument("--workdir", help="where to write the models (default: a new temporary directory)")
     _add_common(p)
+    _add_target(p, "cpu")
     p.set_defaults(run=_run_demo)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_optimize, _add_demo]
+def _run_fetch_headers(args: argparse.Namespace) -> int:
+    from tkopt.ort.headers import include_dir
+
+    print(include_dir())
+    return 0
+
+
+def _add_fetch_headers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fetch-headers", help="fetch ONNX Runtime's C API headers (npm) for building op libraries")
+    p.set_defaults(run=_run_fetch_headers)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_optimize, _add_demo, _add_fetch_headers]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as e:  # ModelLoadError is a ValueError
         if getattr(args, "verbose", False):
             raise
+        from tkopt.ort.native import LibraryBuildError
+
+        if isinstance(e, LibraryBuildError):  # the compiler's own message, lines intact
+            print(f"tkopt: error: {e}", file=sys.stderr)
+            return EXIT_ERROR
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"tkopt: error: {msg}", file=sys.stderr)
         return EXIT_ERROR

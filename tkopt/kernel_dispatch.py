@@ -9,13 +9,15 @@ TKOPT_KERNELS=reference runs every fused op through its torch reference instead 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tkopt import fused_ops
-from tkopt.ir import Node
+from tkopt.ir import Graph, Node
+from tkopt.passes.base import unfuse
 
 Tensor = torch.Tensor
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -101,3 +103,29 @@ def probe(node: Node, device: torch.device) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def prepare_kernels(graph: Graph, device: torch.device) -> list[tuple[str, str]]:
+    """Probe every fused node's kernel on `device`; put back unfused, with a warning, each that fails.
+
+    Returns (node name, reason) per node left unfused. With TKOPT_KERNELS=reference nothing is probed.
+    """
+    if not use_kernels():
+        return []
+    fallbacks = []
+    for node in [n for n in graph.nodes if n.is_fused]:
+        reason = probe(node, device)
+        if reason is not None:
+            warnings.warn(f"tkopt: {node.name} ({node.op}) runs unfused on {device}: its kernel failed: {reason}",
+                          stacklevel=2)
+            unfuse(graph, node)
+            fallbacks.append((node.name, reason))
+    return fallbacks
+
+
+def first_device(values: Sequence[Any]) -> torch.device:
+    """The device of the first tensor among `values` (example inputs), cpu if none."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")

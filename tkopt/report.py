@@ -67,6 +67,9 @@ class Report:
     ops_after: dict[str, int]
     output: str | None = None
     accuracy: Accuracy | None = None
+    target: str | None = None  # the op library's target, when one was built
+    library: str | None = None
+    unfused: list[tuple[str, str]] = field(default_factory=list)  # (node, why no kernel serves it)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.passes
@@ -83,6 +86,9 @@ class Report:
             "ops_before": dict(self.ops_before),
             "ops_after": dict(self.ops_after),
             "accuracy": None if self.accuracy is None else self.accuracy.to_dict(),
+            "target": self.target,
+            "library": self.library,
+            "unfused_for_target": [{"node": n, "reason": r} for n, r in self.unfused],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -127,6 +133,10 @@ class Report:
             for op in sorted(set(self.ops_before) | set(self.ops_after)):
                 ops.add_row(op, str(self.ops_before.get(op, 0)), str(self.ops_after.get(op, 0)))
             console.print(ops)
+        if self.target is not None:
+            console.print(f"op library ({self.target}): {self.library or 'not written'}")
+            for node, reason in self.unfused:
+                console.print(f"  left unfused for {self.target}: {node}: {reason}")
         if self.accuracy is not None:
             self.render_accuracy(console)
 

@@ -26,6 +26,7 @@ from torch.export import Dim
 
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.frontends.fx import import_fx, node_val
+from tkopt.kernel_dispatch import first_device, prepare_kernels
 from tkopt.passes.pipeline import Report, run_passes
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class CompiledModule(nn.Module):
         ep = _export(self.module, args, kwargs, self.dynamic)
         graph = import_fx(ep)
         report = run_passes(graph, self.disable)
+        report.kernel_fallbacks = prepare_kernels(graph, first_device(pytree.tree_leaves((args, kwargs))))
         gm = to_torch_module(graph)
         placeholders = gm.graph.find_nodes(op="placeholder")
         flat, spec = pytree.tree_flatten((args, kwargs))

@@ -13,7 +13,7 @@ fixtures of the same purpose below):
   Skips the calling test when nvcc is not on PATH.
 
 Fixtures: `cuda_compiler` (returns `cuda_compile`), `cuda_lowerer` (returns `lower_cuda`).
-GPU tests: mark with `@pytest.mark.gpu`; they are skipped here when CUDA is unavailable.
+GPU tests: mark with `@pytest.mark.gpu`; tests/conftest.py skips them when CUDA is unavailable.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import tempfile
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 _NVCC_ARCH = {"sm90": ("90a", "sm_90a"), "sm80": ("80", "sm_80")}
 _BUILD_DIR = tempfile.mkdtemp(prefix="tkopt_nvcc_")
@@ -120,11 +119,3 @@ def cuda_lowerer():
     """The `lower_cuda(func, arch)` helper as a fixture."""
     return lower_cuda
 
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)

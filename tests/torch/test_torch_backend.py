@@ -16,7 +16,7 @@ from torch.export import Dim
 
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS
-from tkopt.compile import compile as tkopt_compile
+from tkopt.torch_compile import compile as tkopt_compile
 from tkopt.frontends.fx import import_fx
 
 D = 16

@@ -19,15 +19,19 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.frontends.fx import import_fx
+from tkopt.kernel_dispatch import first_device, prepare_kernels
 from tkopt.passes.pipeline import run_passes
 
 log = logging.getLogger(__name__)
 
 
-def optimize_graph_module(gm: fx.GraphModule, disable: Iterable[str] = ()) -> fx.GraphModule:
+def optimize_graph_module(
+    gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = ()
+) -> fx.GraphModule:
     """Import an aten-level GraphModule, run the passes, rebuild it (report in `.tkopt_report`)."""
     graph = import_fx(gm)
     report = run_passes(graph, disable)
+    report.kernel_fallbacks = prepare_kernels(graph, first_device(example_inputs))
     out = to_torch_module(graph)
     out.tkopt_report = report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.nodes_before,
@@ -40,7 +44,7 @@ def make_backend(disable: Iterable[str] = ()) -> Callable[..., Any]:
     disabled = tuple(disable)
 
     def forward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return make_boxed_func(optimize_graph_module(gm, disabled).forward)
+        return make_boxed_func(optimize_graph_module(gm, disabled, example_inputs).forward)
 
     def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return make_boxed_func(gm.forward)

@@ -15,13 +15,21 @@ from typing import Any
 import torch
 
 from tkopt import fused_ops
+from tkopt.kernel_dispatch import run_kernel, use_kernels
 
 Tensor = torch.Tensor
 
 
 def execute(op: str, inputs: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
-    """Run fused op `op` (a tkopt.fused_ops name) on real tensors. The one dispatch point."""
-    outs = fused_ops.run_reference(op, inputs, attrs)
+    """Run fused op `op` (a tkopt.fused_ops name) on real tensors. The one dispatch point.
+
+    TileLang kernels for the tensors' device (tkopt.kernel_dispatch), or the torch reference with
+    TKOPT_KERNELS=reference. Nodes whose kernel failed its probe were already left unfused.
+    """
+    if use_kernels():
+        outs = run_kernel(op, inputs, attrs)
+    else:
+        outs = fused_ops.run_reference(op, inputs, attrs)
     # Custom ops must return fresh, contiguous tensors (the fake impls promise contiguous ones);
     # a reference may hand back an input itself (e.g. FusedAddNorm's Sum without a residual).
     ins = [t for t in inputs if t is not None]

@@ -1,0 +1,86 @@
+"""Fused graphs run on the TileLang kernels: tkopt.compile and torch.compile(backend="tkopt") on CPU
+(TileLang's C backend) and, marked gpu, on the GPU for each arch variant."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
+
+import tkopt
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("name", ["bert_layer", "llama_block"])
+def test_compile_runs_cpu_kernels_and_matches_eager(name: str, monkeypatch) -> None:
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no kernel may fall back here
+        fast = tkopt.compile(model, inputs)
+    report = fast.tkopt_report
+    assert report.kernel_fallbacks == []
+    assert {k: report.fusions.get(k, 0) for k in EXPECTED_FUSIONS[name]} == EXPECTED_FUSIONS[name]
+    ops = {str(n.target) for n in fast.graph_module.graph.nodes if n.op == "call_function"}
+    assert any(op.startswith("tkopt.") for op in ops)
+    with torch.no_grad():
+        assert _rel(fast(*inputs), model(*inputs)) < 1e-5
+        # Another batch and sequence length (not tile multiples): the dynamic kernels serve it.
+        bigger = tuple(
+            t.repeat(3, *([1] * (t.dim() - 1)))[:, : t.shape[1] - 1] if t.dim() >= 2 else t for t in inputs
+        )
+        assert _rel(fast(*bigger), model(*bigger)) < 1e-5
+
+
+def test_kernel_failure_falls_back_to_the_unfused_subgraph(monkeypatch) -> None:
+    """The CPU kernels take float32/float64: a float16 module keeps every node unfused, with a warning
+    naming each, and still runs (matching eager exactly, since it is eager's own graph)."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS["mlp"]()
+    model = model.half()
+    inputs = tuple(t.half() for t in inputs)
+    with pytest.warns(UserWarning, match=r"FusedGemm_\d+ \(FusedGemm\) runs unfused on cpu: its kernel failed"):
+        fast = tkopt.compile(model, inputs)
+    fallbacks = fast.tkopt_report.kernel_fallbacks
+    assert len(fallbacks) == EXPECTED_FUSIONS["mlp"]["gemm"]
+    assert all("float16" in reason for _, reason in fallbacks)
+    ops = {str(n.target) for n in fast.graph_module.graph.nodes if n.op == "call_function"}
+    assert not any(op.startswith("tkopt.") for op in ops)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*inputs), model(*inputs), rtol=0, atol=0)
+
+
+def test_torch_compile_backend_runs_cpu_kernels(monkeypatch) -> None:
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
+    fast = torch.compile(model, backend="tkopt")
+    with torch.no_grad():
+        assert _rel(fast(*inputs), model(*inputs)) < 1e-5
+
+
+GPU_CASES = [(name, dtype, arch) for name in ("bert_layer", "gpt2_block", "llama_block", "vit_block")
+             for dtype in (torch.float16, torch.bfloat16) for arch in ("sm90", "sm80")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype,arch", GPU_CASES)
+def test_compile_on_gpu_matches_eager(name: str, dtype: torch.dtype, arch: str, monkeypatch) -> None:
+    """Every reference block on the GPU, on each arch's kernels (sm80 runs on Hopper too), against
+    eager in float32 on the same weights: the fp16/bf16 bound of the kernels' tests (1e-2)."""
+    if arch == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm90 kernels need a Hopper GPU")
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setenv("TKOPT_ARCH", arch)
+    model, inputs = REFERENCE_MODELS[name]()
+    want = model.cuda()(*(t.cuda() for t in inputs))
+    model = model.to(dtype)
+    cast = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda() for t in inputs)
+    fast = tkopt.compile(model, cast)
+    assert fast.tkopt_report.kernel_fallbacks == []
+    with torch.no_grad():
+        assert _rel(fast(*cast), want) < 1e-2
