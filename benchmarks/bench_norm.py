@@ -68,7 +68,7 @@ def _jobs():
 def _compile_one(job):
     from tkopt.kernels import conv as C
     from tkopt.kernels import norm as Nm
-    from tkopt.kernels import softmax as S
+    from tkopt.kernels import row_softmax as S
 
     t0 = time.perf_counter()
     try:
@@ -115,7 +115,7 @@ def phase_measure(out_dir: str):
     import torch.nn.functional as F
     from tkopt.kernels import conv as C
     from tkopt.kernels import norm as Nm
-    from tkopt.kernels import softmax as S
+    from tkopt.kernels import row_softmax as S
     from tkopt.kernels.reference import (
         add_layer_norm_ref,
         add_rms_norm_ref,

@@ -18,7 +18,7 @@ _EXPORTS = {
     "add_rms_norm": "norm",
     "layer_norm": "norm",
     "rms_norm": "norm",
-    "softmax": "softmax",
+    "softmax": "row_softmax",
     "conv2d": "conv",
     "UnsupportedError": "arch",
 }

@@ -6,7 +6,7 @@ from conftest import cuda_compile, lower_cuda
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.norm import default_norm_config
 from tkopt.kernels.reference import softmax_ref
-from tkopt.kernels.softmax import softmax, softmax_program_gpu
+from tkopt.kernels.row_softmax import softmax, softmax_program_gpu
 
 
 def _close(y, ref, tol):
