@@ -306,6 +306,8 @@ def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], 
         qn = IDENT if layout == "bhsd" else BSHD
         qs = [s for s in m.q.states if s.net == qn and s.group == 1]
         ks = [s for s in m.k.states if s.net == k_nets[layout]]
+        if layout == "bhsd" and not ks and view.graph.meta.get("onnx_model") is not None:
+            ks = [s for s in m.k.states if s.net == k_nets["bshd"]]  # given a BHSD copy in _fuse_match
         vs = [s for s in m.v.states if s.net == qn]
         pairs = [(k, v) for k in reversed(ks) for v in reversed(vs) if k.group == v.group]
         if qs and pairs:
@@ -349,8 +351,7 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
             raise _Refuse(f"{name} {s.value.name} has rank {s.value.rank}; FusedAttention needs 4-D")
     if out.dtype is not None and q.value.dtype is not None and out.dtype != q.value.dtype:
         raise _Refuse(f"output dtype {out.dtype} differs from Q's {q.value.dtype}")
-    h_axis = 1 if layout == "bhsd" else 2
-    hq, hk = q.value.shape[h_axis], k.value.shape[h_axis]  # type: ignore[index]
+    hq, hk = q.value.shape[q.net[1]], k.value.shape[k.net[1]]  # type: ignore[index]
     if isinstance(hq, int) and isinstance(hk, int) and hq % hk:
         raise _Refuse(f"query heads {hq} are not a multiple of key/value heads {hk}")
     inputs = [q.value, k.value, v.value, m.mask]
@@ -358,12 +359,23 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
     for s in (q, k, v):
         _rewrite_shape_reads(view.graph, s.reads, s.value, s.net, nodes)
     _rewrite_shape_reads(view.graph, out_reads, out, BSHD, nodes)
+    if layout == "bhsd" and k.net == (BSHD_KT if m.k_transposed else BSHD):
+        inputs[1] = _bhsd_copy(view.graph, k.value)
     attrs = {"scale": 0.0 if scale is None else float(scale), "causal": m.causal, "layout": layout}
     try:
         fuse(view.graph, nodes, "FusedAttention", inputs, [out], attrs)
     except FusionError as e:
         raise _Refuse(str(e)) from None
     result.fused += 1
+
+
+def _bhsd_copy(graph: Graph, k: Value) -> Value:
+    """A new Transpose giving K (B,S,H,D) as (B,H,S,D), when only K comes as BSHD (TorchScript's SDPA
+    export folds K's head transpose into K^T while Q, V and the output stay BHSD). ONNX graphs only."""
+    shape = None if k.shape is None else tuple(k.shape[i] for i in BSHD)
+    out = Value(graph.fresh_name(f"{k.name}_bhsd"), k.dtype, shape)
+    graph.add_node(Node("Transpose", [k], [out], {"perm": list(BSHD)}, name=graph.fresh_name("Transpose")))
+    return out
 
 
 def _rewrite_shape_reads(graph: Graph, reads: Reads, src: Value, src_net: tuple[int, ...], fused: list[Node]) -> None:
