@@ -44,9 +44,13 @@ _CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 DEFAULT_CONFIGS = {
     ("sm90", 64): dict(block_M=128, block_N=128, num_stages=2, threads=256),
     ("sm90", 128): dict(block_M=128, block_N=128, num_stages=2, threads=256),
-    # 128 threads with block_M=128, D=128 spill (255 regs + 128 B spills per ptxas): use 256.
-    ("sm80", 64): dict(block_M=128, block_N=64, num_stages=2, threads=256),
-    ("sm80", 128): dict(block_M=128, block_N=64, num_stages=2, threads=256),
+    # sm80: 128 threads with block_M=128, D=128 spill (255 regs + 128 B spills per ptxas): use 256.
+    # num_stages=1: TileLang 0.1.15 cannot generate code for a deeper cp.async pipeline over a dynamic
+    # trip count (its epilogue's ptx_wait_group count is not a constant: "Downcast from tirx.Sub to
+    # ir.IntImm failed"); the pass config tl.UnrollLoop explicit_unroll works around it but takes ~250 s
+    # to lower (196 KB of unrolled source), so it is not used.
+    ("sm80", 64): dict(block_M=128, block_N=64, num_stages=1, threads=256),
+    ("sm80", 128): dict(block_M=128, block_N=64, num_stages=1, threads=256),
 }
 FP32_CONFIG = dict(block_M=64, block_N=32, num_stages=1, threads=128)
 CPU_BLOCK_N = 32
@@ -61,9 +65,9 @@ TUNE_CANDIDATES = {
         dict(block_M=64, block_N=128, num_stages=2, threads=128),
     ],
     "sm80": [
-        dict(block_M=128, block_N=64, num_stages=2, threads=256),
-        dict(block_M=128, block_N=128, num_stages=2, threads=256),
-        dict(block_M=64, block_N=64, num_stages=3, threads=128),
+        dict(block_M=128, block_N=64, num_stages=1, threads=256),
+        dict(block_M=128, block_N=128, num_stages=1, threads=256),
+        dict(block_M=64, block_N=64, num_stages=1, threads=128),
     ],
 }
 
@@ -389,13 +393,7 @@ def tl_target(arch: str):
 
 
 def _pass_configs(arch: str = "sm90") -> dict:
-    cfg = {"tl.enable_fast_math": True}
-    if arch == "sm80":
-        # TileLang 0.1.15 bug: with a dynamic trip count, the cp.async pipeline epilogue is a T.unroll loop
-        # whose ptx_wait_group count depends on the loop var, and CUDA codegen needs a constant
-        # ("Downcast from tirx.Sub to ir.IntImm failed"). Explicit unrolling makes the counts constants.
-        cfg["tl.UnrollLoop"] = {"explicit_unroll": True}
-    return cfg
+    return {"tl.enable_fast_math": True}
 
 
 @functools.cache

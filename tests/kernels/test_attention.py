@@ -178,8 +178,7 @@ LOWER_CASES = {
     "sm90-f16-d128-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bhsd",) * 4, None, (False,) * 4),
     "sm90-bf16-d64-addmask-bshd": ("sm90", "bfloat16", 64, 4, 4, False, ("bshd",) * 4, "add",
                                    (False, True, False, False)),
-    "sm80-f16-d128-causal": ("sm80", "float16", 128, 4, 4, True, ("bhsd",) * 4, None, (False,) * 4),
-    "sm80-bf16-d64-boolmask-gqa": ("sm80", "bfloat16", 64, 8, 2, False, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
+    "sm80-f16-d128-boolmask-gqa": ("sm80", "float16", 128, 8, 2, True, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
                                    (False, True, True, False)),
 }  # fmt: skip
 

@@ -1,0 +1,243 @@
+"""Benchmark flash_attention (sm90 and forced sm80) against torch SDPA, same run, same inputs.
+
+Usage (on the GPU): python benchmarks/bench_attention.py [--out DIR] [--quick]
+Prints a table: shape, causal, ms and TFLOP/s for SDPA and ours, ratio ours/SDPA (speed, >1 is faster).
+FLOPs: 4 * B * Hq * Sq * Skv * D (two GEMMs), halved for causal (Sq == Skv).
+Also: cold compile time (fresh TileLang cache dir, one key) and warm load (disk cache, fresh process).
+Tuning: TKOPT_AUTOTUNE=1 makes pick_config time the candidates in kernels/attention.py TUNE_CANDIDATES
+(for the headline shapes only, to stay inside the device budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def flops(b, hq, sq, skv, d, causal):
+    f = 4.0 * b * hq * sq * skv * d
+    return f / 2 if causal else f
+
+
+def bench(fn, rep_ms=300):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_case(name, b, hq, hkv, s, d, causal, arch, dtype=torch.float16, tune=True, do_sdpa=True):
+    from tkopt.kernels import attention as A
+
+    torch.manual_seed(0)
+    # Several input sets, rotated, so repeated runs are not served from L2 (each set ~ 8*16*2048*128*2*3 B).
+    n_sets = 2
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(b, hq, s, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, hkv, s, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, hkv, s, d, device="cuda", dtype=dtype)
+        sets.append((q, k, v))
+    out = torch.empty_like(sets[0][0])
+    os.environ["TKOPT_AUTOTUNE"] = "1" if tune else "0"
+    t0 = time.perf_counter()
+    q, k, v = sets[0]
+    A.flash_attention(q, k, v, causal=causal, out=out, arch=arch)  # compile / load / tune
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    gqa = hq != hkv
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    err = rel_err(out, ref)
+    it = [0]
+
+    def ours():
+        q, k, v = sets[it[0] % n_sets]
+        it[0] += 1
+        A.flash_attention(q, k, v, causal=causal, out=out, arch=arch)
+
+    def sdpa():
+        q, k, v = sets[it[0] % n_sets]
+        it[0] += 1
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    gkey_cfg = A.last_config.get(arch)
+    t_ours = bench(ours)
+    t_sdpa = bench(sdpa) if do_sdpa else float("nan")
+    fl = flops(b, hq, s, s, d, causal)
+    row = dict(
+        name=name, arch=arch, B=b, Hq=hq, Hkv=hkv, S=s, D=d, causal=causal, dtype=str(dtype).split(".")[-1],
+        ms_ours=t_ours, ms_sdpa=t_sdpa, tflops_ours=fl / t_ours / 1e9, tflops_sdpa=fl / t_sdpa / 1e9,
+        speedup=t_sdpa / t_ours, rel_err_vs_sdpa=err, first_call_s=first_s, config=gkey_cfg,
+    )  # fmt: skip
+    return row
+
+
+def cold_and_warm(tmp_cache: str):
+    """Cold compile: fresh TILELANG_CACHE_DIR, new process. Warm load: same dir again, new process."""
+    code = (
+        "import time,torch;t=time.perf_counter();import tkopt.kernels.attention as A;"
+        "q=torch.randn(1,16,256,128,device='cuda',dtype=torch.float16);"
+        "A.flash_attention(q,q[:, :16],q[:, :16],causal=True, config=dict(A.DEFAULT_CONFIGS[('sm90',128)]));"
+        "torch.cuda.synchronize();print('T=%.2f'%(time.perf_counter()-t))"
+    )
+    env = dict(os.environ, TILELANG_CACHE_DIR=tmp_cache, TKOPT_AUTOTUNE="0")
+    res = {}
+    for label in ("cold_compile_s", "warm_load_s"):
+        p = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
+        line = [x for x in p.stdout.splitlines() if x.startswith("T=")]
+        res[label] = float(line[0][2:]) if line else f"failed: {p.stderr[-500:]}"
+    return res
+
+
+def _warm_one(spec):
+    """Compile (or load) one kernel in a worker process by calling the wrapper on small tensors."""
+    import traceback
+
+    os.environ["TKOPT_AUTOTUNE"] = "0"
+    sys.path.insert(0, "tests/kernels")
+    from tkopt.kernels.attention import flash_attention
+
+    arch, dtype, b, hq, hkv, d, causal, layout, mk, cfg = spec
+    dt = getattr(torch, dtype)
+    sq, skv = 70, 90
+    shp = (lambda h, s_: (b, h, s_, d)) if layout == "bhsd" else (lambda h, s_: (b, s_, h, d))
+    q = torch.randn(*shp(hq, sq), device="cuda", dtype=dt)
+    k = torch.randn(*shp(hkv, skv), device="cuda", dtype=dt)
+    v = torch.randn(*shp(hkv, skv), device="cuda", dtype=dt)
+    mask = None
+    if mk == "add":
+        mask = torch.randn(b, 1, sq, skv, device="cuda")
+    elif mk == "bool":
+        mask = torch.rand(b, 1, 1, skv, device="cuda") > 0.3
+    t = time.perf_counter()
+    try:
+        flash_attention(q, k, v, causal=causal, mask=mask, layout=layout, arch=arch, config=cfg)
+        torch.cuda.synchronize()
+        return spec, time.perf_counter() - t, None
+    except Exception:
+        return spec, time.perf_counter() - t, traceback.format_exc()[-800:]
+
+
+def warm_specs():
+    """Every kernel the GPU tests and this benchmark use (so one parallel pass fills TileLang's disk cache)."""
+    sys.path.insert(0, "tests/kernels")
+    import test_attention as TA
+    from tkopt.kernels import attention as A
+
+    specs = []
+    for arch in TA.GPU_ARCHS:
+        for dtype in TA.GPU_DTYPES:
+            for case, (b, hq, hkv, _sq, _skv, d, causal, layout, mk) in TA.GPU_CASES.items():
+                if not TA.gpu_case_enabled(dtype, case):
+                    continue
+                specs.append((arch, str(dtype).split(".")[-1], b, hq, hkv, d, causal, layout, mk, None))
+    specs.append(("sm90", "float16", 1, 4, 4, 64, False, "bhsd", None, None))  # dynamic-lengths test
+    for causal in (False, True):
+        for cfg in A.TUNE_CANDIDATES["sm90"]:
+            specs.append(("sm90", "float16", 1, 16, 16, 128, causal, "bhsd", None, dict(cfg)))
+        specs.append(("sm90", "float16", 1, 16, 16, 64, causal, "bhsd", None, None))
+        specs.append(("sm90", "float16", 1, 32, 8, 128, causal, "bhsd", None, None))
+        specs.append(("sm80", "float16", 1, 16, 16, 128, causal, "bhsd", None, None))
+    seen, out = set(), []
+    for s_ in specs:
+        key = json.dumps(s_, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(s_)
+    return out
+
+
+def prewarm(workers: int):
+    import multiprocessing as mp
+
+    specs = warm_specs()
+    t = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        res = pool.map(_warm_one, specs, chunksize=1)
+    wall = time.perf_counter() - t
+    fails = [r for r in res if r[2]]
+    times = sorted(r[1] for r in res)
+    print(f"prewarm: {len(specs)} kernels, {workers} workers, {wall:.1f} s wall; per-kernel compile "
+          f"median {times[len(times) // 2]:.1f} s, max {times[-1]:.1f} s; {len(fails)} failed", flush=True)  # fmt: skip
+    for spec, _, err in fails:
+        print("PREWARM FAIL", spec, err, flush=True)
+    return dict(n=len(specs), wall_s=wall, median_s=times[len(times) // 2], max_s=times[-1], failed=len(fails))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--prewarm", type=int, default=0, help="compile every kernel first with N processes")
+    ap.add_argument("--prewarm-only", action="store_true")
+    args = ap.parse_args()
+    if args.prewarm:
+        prewarm(args.prewarm)
+        if args.prewarm_only:
+            return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}, torch {torch.__version__}")
+    tune = not args.no_tune
+    cases = [
+        ("headline", 8, 16, 16, 2048, 128, False, "sm90", tune),
+        ("headline", 8, 16, 16, 2048, 128, True, "sm90", tune),
+        ("d64", 8, 16, 16, 2048, 64, False, "sm90", False),
+        ("d64", 8, 16, 16, 2048, 64, True, "sm90", False),
+        ("gqa", 8, 32, 8, 2048, 128, False, "sm90", False),
+        ("gqa", 8, 32, 8, 2048, 128, True, "sm90", False),
+        ("sm80-on-h200", 8, 16, 16, 2048, 128, False, "sm80", False),
+        ("sm80-on-h200", 8, 16, 16, 2048, 128, True, "sm80", False),
+    ]
+    if args.quick:
+        cases = cases[:2]
+    rows = []
+    for name, b, hq, hkv, s, d, causal, arch, tn in cases:
+        try:
+            row = run_case(name, b, hq, hkv, s, d, causal, arch, tune=tn)
+        except Exception as e:  # report and continue: one failure must not lose the other numbers
+            row = dict(name=name, arch=arch, B=b, Hq=hq, Hkv=hkv, S=s, D=d, causal=causal, error=repr(e)[-400:])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cw = cold_and_warm(os.path.join(args.out or "/tmp", "tl_cache_coldwarm"))
+    print(json.dumps(cw))
+    lines = [
+        "| case | arch | B,Hq,Hkv,S,D | causal | SDPA ms | SDPA TFLOP/s | ours ms | ours TFLOP/s | ours/SDPA | "
+        "rel err | first call s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['arch']} | {r['B']},{r['Hq']},{r['Hkv']},{r['S']},{r['D']} | "
+                         f"{r['causal']} | ERROR {r['error'][:120]} |||||||")  # fmt: skip
+            continue
+        lines.append(
+            f"| {r['name']} | {r['arch']} | {r['B']},{r['Hq']},{r['Hkv']},{r['S']},{r['D']} | {r['causal']} | "
+            f"{r['ms_sdpa']:.3f} | {r['tflops_sdpa']:.0f} | {r['ms_ours']:.3f} | {r['tflops_ours']:.0f} | "
+            f"{r['speedup']:.2f}x | {r['rel_err_vs_sdpa']:.1e} | {r['first_call_s']:.1f} |"
+        )
+    lines.append(f"\ncold compile (new process, empty TileLang cache, 1 kernel): {cw.get('cold_compile_s')} s; "
+                 f"warm load (new process, disk cache): {cw.get('warm_load_s')} s")  # fmt: skip
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+            json.dump(dict(device=dev, rows=rows, cold_warm=cw), f, indent=1)
+        with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
