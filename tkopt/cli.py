@@ -105,7 +105,37 @@ def _add_fetch_headers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_fetch_headers)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_optimize, _add_demo, _add_fetch_headers]
+def _run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tkopt.bench import bench_onnx
+
+    result = bench_onnx(args.model, target=args.target, runs=args.runs, warmup=args.warmup,
+                        disable=args.disable, seed=args.seed, nodes=not args.no_nodes)
+    result.render(Console())
+    if args.json:
+        print(f"wrote {result.write_json(args.json)}")
+    return 0 if all(o.ok for o in result.outputs) else EXIT_ACCURACY
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="fused vs unfused: errors and latency, per output and per fused node")
+    p.add_argument("model", help="input .onnx file")
+    p.add_argument("--target", choices=("cpu", "sm80", "sm90"),
+                   help="run the fused model on the native op library built for this target (without it: "
+                   "fused ops run their torch references, accuracy only)")
+    p.add_argument("--disable", nargs="+", default=[], metavar="NAME", help="passes to skip")
+    p.add_argument("--runs", type=int, default=20, help="timed runs per variant (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--json", metavar="FILE", help="also write every number to FILE as JSON")
+    p.add_argument("--no-nodes", action="store_true", help="skip the per-fused-node rows")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    p.set_defaults(run=_run_bench)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_optimize, _add_demo, _add_fetch_headers,
+                                                                    _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
