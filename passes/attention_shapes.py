@@ -84,21 +84,30 @@ class Shapes:
         if p.op == "Transpose" and p.attrs.get("perm") is not None:
             return tuple(src[i] for i in p.attrs["perm"])
         if p.op == "Reshape":
-            target = self.value(p.inputs[1]) if len(p.inputs) > 1 else None
-            return None if target is None else _reshape(src, list(target.reshape(-1)), p.attrs.get("allowzero", 0))
+            target = self._target(p)
+            return None if target is None else _reshape(src, target, p.attrs.get("allowzero", 0))
         if p.op == "Unsqueeze" and p.attrs.get("axes") is not None:
             out = list(src)
             rank = len(src) + len(p.attrs["axes"])
             for a in sorted(norm_axis(int(a), rank) for a in p.attrs["axes"]):
                 out.insert(a, sympy.Integer(1))
             return tuple(out)
-        if p.op == "Expand" and len(p.inputs) > 1:
-            target = self.value(p.inputs[1])
-            return None if target is None else _broadcast([src, tuple(sympy.sympify(d) for d in target.reshape(-1))])
+        if p.op == "Expand":
+            target = self._target(p)
+            return None if target is None else _broadcast([src, tuple(sympy.sympify(d) for d in target)])
         if p.op in ELEMENTWISE:
             shapes = [self.shape(i) for i in p.inputs if i is not None]
             return None if any(s is None for s in shapes) else _broadcast(shapes)  # type: ignore[arg-type]
         return None
+
+    def _target(self, p: Node) -> list[object] | None:
+        """A Reshape/Expand target shape: the (symbolically evaluated) input, else the attribute
+        (where the FX frontend spells symbolic sizes as strings)."""
+        if len(p.inputs) > 1 and p.inputs[1] is not None:
+            data = self.value(p.inputs[1])
+            return None if data is None else list(data.reshape(-1))
+        attr = p.attrs.get("shape")
+        return None if attr is None else [_dim(d) if isinstance(d, str) else d for d in attr]
 
     # ---- values -------------------------------------------------------------------------------
     def value(self, v: Value | None, depth: int = 24) -> np.ndarray | None:

@@ -12,14 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from tkopt.passes.attention import fuse_attention
 from tkopt.passes.base import PassResult
+from tkopt.passes.canonicalize import drop_identity, fold_constants
 
+from tkopt.backends.onnx_model import export_onnx
+from tkopt.frontends.onnx import import_onnx
 from tkopt.fused_ops import run_reference
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+from tkopt.onnx_runtime_ref import run_model
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bool: "bool", torch.int64: "int64"}
 TORCH = {v: k for k, v in DTYPES.items()}
@@ -59,11 +64,19 @@ OPS: dict[str, Callable[..., torch.Tensor]] = {
     "Dropout": lambda x, *rest, **_: x,
     "Unsqueeze": lambda x, axes, **_: _unsqueeze(x, axes),
     "Expand": lambda x, shape, **_: _expand(x, shape),
-    "Reshape": lambda x, shape, **_: x.reshape(shape),
+    "Reshape": lambda x, shape, **_: x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(shape)]),
     "Tile": lambda x, repeats, **_: x.repeat(*repeats),
     "Constant": lambda value, **_: torch.from_numpy(np.asarray(value)),
     "aten::repeat_interleave": lambda x, repeats, dim, **_: x.repeat_interleave(repeats, dim),
     "ScaledDotProductAttention": _sdpa,
+    "IsNaN": lambda x, **_: torch.isnan(x),
+    "Equal": lambda a, b, **_: a == b,
+    "Shape": lambda x, start=0, end=None, **_: torch.tensor(x.shape[start:end], dtype=torch.int64),
+    "Gather": lambda x, i, axis=0, **_: torch.index_select(x, axis, i.reshape(-1)).reshape(i.shape),
+    "Sqrt": lambda x, **_: torch.sqrt(x),
+    "Reciprocal": lambda x, **_: 1 / x,
+    "aten::any": lambda x, dim, keepdim, **_: x.any(dim, keepdim=keepdim),
+    "aten::full_like": lambda x, fill_value, **_: torch.full_like(x, fill_value),
 }
 
 
@@ -495,3 +508,113 @@ def test_not_attention_is_silent() -> None:
     out = b.op("MatMul", b.op("Softmax", b.op("MatMul", x, b.input("w", 10, 10)), axis=-1), b.input("w2", 10, 4))
     result, fused = b.run(out)
     assert result.fused == 0 and not result.refusals
+
+
+# ---- exporter and decomposition forms ------------------------------------------------------------
+def _bmm(b: _Builder, a4: Value, b4: Value) -> Value:
+    """Decomposed FX 4-D matmul: expand (no-op), view to 3-D, bmm, view back."""
+    (bb, h, m, k), n = a4.shape, b4.shape[3]  # type: ignore[misc]
+    a3 = b.op("Reshape", b.op("Expand", a4, shape=list(a4.shape)), shape=[bb * h, m, k])
+    b3 = b.op("Reshape", b.op("Expand", b4, shape=list(b4.shape)), shape=[bb * h, k, n])
+    return b.op("Reshape", b.op("MatMul", a3, b3), shape=[bb, h, m, n])
+
+
+def test_decomposed_fx_bmm_form() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=9, skv=12)
+    s = b.op("Mul", _bmm(b, q, b.op("Transpose", k, perm=[0, 1, 3, 2])), b.const("c", np.float32(0.3)))
+    node = _one(*b.run(_bmm(b, b.op("Softmax", s, axis=-1), v)), scale=0.3)
+    assert node.inputs[:3] == [q, k, v] and [n.op for n in b.g.nodes] == ["FusedAttention"]
+
+
+def test_dynamo_3d_k_transpose_form() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=6, skv=10)
+    kt = b.op("Reshape", b.op("Transpose", b.op("Reshape", k, shape=[-1, 10, D]), perm=[0, 2, 1]), shape=[B, H, D, 10])
+    node = _one(*b.run(_attend(b, b.op("MatMul", q, kt), v)), scale=1.0)
+    assert node.inputs[1] is k
+
+
+def test_dynamo_nan_guard_after_softmax() -> None:
+    """Where(IsNaN(p), 0, p) is FusedAttention's own definition for fully masked rows: absorbed."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    zero, ninf = b.const("z", np.float32(0)), b.const("n", np.float32(NEG_INF))
+    m = b.op("Where", b.bool_input("keep", B, 1, 13, 13), zero, ninf)
+    p = b.op("Softmax", b.op("Add", _scores(b, q, k), m), axis=-1)
+    p = b.op("Where", b.op("IsNaN", p), b.const("zero", np.float32(0)), p)
+    node = _one(*b.run(b.op("MatMul", p, v)))
+    assert node.inputs[3] is m
+
+
+def test_decomposed_sdpa_row_guard() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Add", _scores(b, q, k), b.input("mask", B, 1, 1, 13))
+    p = b.op("Softmax", s, axis=-1)
+    empty = b.op("Not", b.op("aten::any", b.op("Not", b.op("Equal", s, b.const("ninf", np.float32(NEG_INF)))),
+                                dim=-1, keepdim=True))
+    p = b.op("Where", empty, b.op("aten::full_like", p, fill_value=0), p)
+    _one(*b.run(b.op("MatMul", p, v)))
+    assert [n.op for n in b.g.nodes] == ["FusedAttention"]
+
+
+def test_scale_from_symbolic_shape() -> None:
+    """The TorchScript exporter's 1/sqrt(head_dim) from Shape(q): evaluated though batch/seq are symbolic."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    d = b.op("Gather", b.op("Shape", q), b.const("i3", np.int64(3)), axis=0)
+    c = b.op("Reciprocal", b.op("Sqrt", b.op("Cast", d, to="float32")))
+    out = _attend(b, b.op("Mul", _scores(b, q, k), c), v)
+    q.shape = ("batch", H, "seq", D)
+    _one(*b.run(out), scale=1 / math.sqrt(D))
+    assert [n.op for n in b.g.nodes] == ["FusedAttention"]
+
+
+def test_gqa_symbolic_shapes() -> None:
+    b = _Builder()
+    q, k, v = _qkv(b, sq=5, hkv=2)
+    kr, vr = _repeat_kv(b, k, 2), _repeat_kv(b, v, 2)
+    for x in (k, v):
+        x.shape = ("batch", 2, "seq", D)
+    for x in (kr, vr):
+        x.shape = ("batch", H, "seq", D)
+        reshape = b.g.producer(x)
+        reshape.attrs["shape"] = [0, H, -1, D]  # type: ignore[union-attr]
+        expand = b.g.producer(reshape.inputs[0])  # type: ignore[union-attr]
+        expand.outputs[0].shape = ("batch", 2, 2, "seq", D)  # type: ignore[union-attr]
+        expand.attrs["shape"] = ["batch", 2, 2, "seq", D]  # type: ignore[union-attr]
+        expand.inputs[0].shape = ("batch", 2, 1, "seq", D)  # type: ignore[union-attr]
+    node = _one(*b.run(_attend(b, _scores(b, q, kr), vr)))
+    assert node.inputs[1:3] == [k, v]
+
+
+# ---- real exports ----------------------------------------------------------------------------------
+class _SdpaBlock(torch.nn.Module):
+    """Q, K, V heads split from one input; SDPA with a padding mask; heads merged back."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bb, s, _ = x.shape
+        q, k, v = (t.view(bb, s, H, D).transpose(1, 2) for t in (x, x * 0.5, x - 1))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return o.transpose(1, 2).reshape(bb, s, H * D)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_export_sdpa_block(dynamo: bool, tmp_path) -> None:
+    x, mask = torch.randn(2, 11, H * D), torch.rand(2, 11) > 0.3
+    mask[:, 0] = True
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(_SdpaBlock(), (x, mask), str(path), dynamo=dynamo, input_names=["x", "mask"],
+                      dynamic_axes=None if dynamo else {"x": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}},
+                      dynamic_shapes=({0: "b", 1: "s"}, {0: "b", 1: "s"}) if dynamo else None)
+    g = import_onnx(path)
+    for fn in (fold_constants, drop_identity):
+        fn(g, PassResult("canonicalize"))
+    result = PassResult("attention")
+    fuse_attention(g, result)
+    assert result.fused == 1, result.refusals
+    feeds = {"x": x.numpy(), "mask": mask.numpy()}
+    want, got = run_model(onnx.load(path), feeds), run_model(export_onnx(g), feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
