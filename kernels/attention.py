@@ -54,6 +54,7 @@ DEFAULT_CONFIGS = {
 }
 FP32_CONFIG = dict(block_M=64, block_N=32, num_stages=1, threads=128)
 CPU_BLOCK_N = 32
+_CONFIG_MEMO: dict[tuple, dict] = {}  # (arch, key, size bucket) -> config, so warm calls skip pick_config
 last_config: dict[str, dict] = {}  # the GPU config used by the latest call, per arch (for benchmarks)
 
 # Small tuning space, timed by tuning.pick_config (TKOPT_AUTOTUNE unset or 1) for fp16/bf16.
@@ -383,26 +384,45 @@ def cpu_program(
 # ---------------------------------------------------------------------------------------------------
 # Compilation (cached per compile-time key; dynamic dims make the key shape-free apart from heads/dim)
 # ---------------------------------------------------------------------------------------------------
-def tl_target(arch: str):
-    """TileLang target for an arch (TileLang 0.1.15 rejects CLI strings such as "cuda -arch=sm_90a")."""
+def tl_target(arch: str, device_sm: str | None = None):
+    """TileLang target for an arch (TileLang 0.1.15 rejects CLI strings such as "cuda -arch=sm_90a").
+
+    `device_sm` ("sm_90", ...): the GPU the "sm80" variant will run on, when that is newer than sm_8x.
+    """
     if arch == "cpu":
         return "c"
     if arch not in ("sm90", "sm80"):
         raise UnsupportedError(f"unknown arch {arch!r}; expected sm90, sm80 or cpu")
-    return {"kind": "cuda", "arch": "sm_90a" if arch == "sm90" else "sm_80"}
+    if arch == "sm90":
+        return {"kind": "cuda", "arch": "sm_90a"}
+    return {"kind": "cuda", "arch": device_sm or "sm_80"}
 
 
-def _pass_configs(arch: str = "sm90") -> dict:
-    return {"tl.enable_fast_math": True}
+def _pass_configs(arch: str = "sm90", device_sm: str | None = None) -> dict:
+    cfg = {"tl.enable_fast_math": True}
+    if arch == "sm80" and device_sm not in (None, "sm_80"):
+        # The sm80 template on a newer GPU: TileLang embeds a cubin only, and an sm_80 cubin does not load
+        # on sm_90 (CUDA_ERROR_NO_BINARY_FOR_GPU, seen on the H200), so compile for the device's arch
+        # with Hopper's wgmma, TMA and warp specialization turned off (mma.sync + cp.async, as on sm_80).
+        cfg.update({"tl.disable_wgmma": True, "tl.disable_tma_lower": True, "tl.disable_warp_specialized": True})
+    return cfg
+
+
+def _device_sm(arch: str) -> str | None:
+    """sm_XY of the current GPU when the "sm80" variant must be built for a newer one, else None."""
+    if arch != "sm80" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}" if major >= 9 else None
 
 
 @functools.cache
-def compile_gpu(arch: str, key: tuple, config_items: tuple):
+def compile_gpu(arch: str, key: tuple, config_items: tuple, device_sm: str | None = None):
     """Compile (and cache) the GPU kernel for `key` = gpu_program's keys and a config as sorted items."""
     import tilelang
 
     func = gpu_program(*key, **dict(config_items))
-    return tilelang.compile(func, target=tl_target(arch), pass_configs=_pass_configs(arch))
+    return tilelang.compile(func, target=tl_target(arch, device_sm), pass_configs=_pass_configs(arch, device_sm))
 
 
 @functools.cache
@@ -584,19 +604,23 @@ def flash_attention(
         return out
 
     gkey = (dtype,) + key[1:]
+    dsm = _device_sm(a)
 
     def run_with(cfg: dict) -> float:
         import triton.testing
 
-        kk = compile_gpu(a, gkey, tuple(sorted(cfg.items())))
+        kk = compile_gpu(a, gkey, tuple(sorted(cfg.items())), dsm)
         return triton.testing.do_bench(lambda: kk(q, k, v, *margs, out), return_mode="median")
 
     if config is None:
         # Tuning key: the compile key plus the rounded problem size (tuned configs depend on the size).
         size = (b, 1 << max(0, (sq - 1).bit_length()), 1 << max(0, (skv - 1).bit_length()))
-        config = _pick_config(a, gkey + size, dtype, dim, run_with)
+        memo_key = (a, gkey, size)
+        config = _CONFIG_MEMO.get(memo_key)
+        if config is None:  # first call for this key in this process: cached / tuned / default config
+            config = _CONFIG_MEMO[memo_key] = _pick_config(a, gkey + size, dtype, dim, run_with)
     last_config[a] = dict(config)
-    kern = compile_gpu(a, gkey, tuple(sorted(config.items())))
+    kern = compile_gpu(a, gkey, tuple(sorted(config.items())), dsm)
     kern(q, k, v, *margs, out)
     return out
 

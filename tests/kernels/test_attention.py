@@ -211,6 +211,23 @@ def test_cuda_lowers_and_nvcc_compiles(lowered, name):
     assert build.registers and all(s == 0 for s in build.spills), build.log[-2000:]
 
 
+def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
+    """Forced sm80 on an H200: built for sm_90 with wgmma/TMA/warp specialization off (an sm_80 cubin
+    does not load there: CUDA_ERROR_NO_BINARY_FOR_GPU)."""
+    import tilelang
+    from tilelang import tvm
+
+    func = A.gpu_program("float16", 64, 4, 4, True, ("bhsd",) * 4, None, (False,) * 4, None,
+                         **A.DEFAULT_CONFIGS[("sm80", 64)])  # fmt: skip
+    target = A.tl_target("sm80", "sm_90")
+    assert target == {"kind": "cuda", "arch": "sm_90"}
+    with tvm.transform.PassContext(config=A._pass_configs("sm80", "sm_90")), tvm.target.Target(target):
+        src = tilelang.lower(func, target=target).kernel_source
+    assert "wgmma" not in src and "tma_load" not in src and "cp_async" in src and "mma" in src
+    build = cuda_compile(src, "sm90")
+    assert all(s == 0 for s in build.spills)
+
+
 # ---------------------------------------------------------------------------------- GPU numerics
 GPU_ARCHS = ["sm90", "sm80"]
 GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
