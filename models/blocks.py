@@ -94,7 +94,8 @@ class BertLayer(nn.Module):
         v = _split_heads(self.value(x), heads)
         # HF's "extended attention mask": (B, S) 0/1 -> (B, 1, 1, S) additive, 0 keep / min drop.
         ext = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
-        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + ext
+        # Constant scale, as HF BERT (GPT-2 below derives it from a shape, as HF GPT-2 does).
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.cfg.hidden // heads) + ext
         ctx = _merge_heads(scores.softmax(-1) @ v)
         x = self.attn_norm(self.attn_out(ctx) + x)
         ff = self.ffn_out(F.gelu(self.ffn_in(x)))

@@ -127,14 +127,16 @@ def test_external_data(tmp_path, exporter):
     np.testing.assert_allclose(_ort_run(path, inputs), _torch_run(model, inputs), atol=1e-4)
 
 
-def test_failed_export_leaves_no_file(tmp_path):
-    class Bad(torch.nn.Module):
+def test_failed_export_keeps_old_file(tmp_path):
+    class Unsupported(torch.nn.Module):
         def forward(self, x):
-            return torch.ops.aten.nonexistent_op(x)
+            return torch.linalg.svd(x)[1]  # no ONNX symbolic at opset 17
 
-    with pytest.raises(AttributeError):
-        export_onnx(Bad(), (torch.randn(2, 3),), tmp_path / "bad.onnx", dynamo=False)
-    assert list(tmp_path.iterdir()) == []
+    target = tmp_path / "m.onnx"
+    target.write_bytes(b"old")
+    with pytest.raises(torch.onnx.errors.UnsupportedOperatorError):
+        export_onnx(Unsupported(), (torch.randn(2, 3, 3),), target, dynamo=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"] and target.read_bytes() == b"old"
 
 
 def test_example_model_export(exported, tmp_path):
