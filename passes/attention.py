@@ -19,7 +19,7 @@ import numpy as np
 
 from tkopt.ir import Graph, Node, Value
 
-from .attention_shapes import LOCAL_EVALUATORS, Shapes, as_int, same
+from .attention_shapes import LOCAL_EVALUATORS, Shapes, Sizes, as_int, concrete, same
 from .base import FusionError, PassResult, fuse
 from .patterns import GraphIndex, norm_axis
 from .pipeline import register
@@ -28,6 +28,7 @@ IDENT = (0, 1, 2, 3)
 SWAP = (0, 1, 3, 2)  # K^T from a BHSD K
 BSHD = (0, 2, 1, 3)  # BHSD from BSHD, and back
 BSHD_KT = (0, 2, 3, 1)  # K^T from a BSHD K
+CAUSAL_TRIALS = ((5, 7, 11, 13, 17), (9, 6, 8, 12, 10))  # sizes given to symbolic dims, in order met
 NEG_FILL = -1e4  # a fill/additive value at or below this zeroes the softmax weight (exp underflows): as -inf
 PASS_THROUGH = ("Identity", "aten::clone", "aten::contiguous", "aten::alias")
 CHAIN_OPS = ("Cast", "Identity", "Add", "Mul", "Div", "Where")
@@ -441,6 +442,20 @@ def _causal_keep(c: np.ndarray, kind: str, sq: object, skv: object) -> bool:
     return bool(np.array_equal(keep, np.tril(np.ones((sq, skv), dtype=bool))))
 
 
+def _causal_by_trial(view: _View, m: Value, kind: str, scores: Value) -> bool:
+    """Whether a mask computed from shapes (a tril buffer sliced to the sequence length, an exporter's
+    Trilu of ones) is the top-left causal pattern: evaluated at two sets of concrete sizes."""
+    s = view.shapes.shape(scores)
+    if s is None or len(s) < 2:
+        return False
+    for pool in CAUSAL_TRIALS:
+        sizes = Sizes(pool)
+        data = view.shapes.value_at(m, sizes)
+        if data is None or not _causal_keep(data, kind, concrete(s[-2], sizes), concrete(s[-1], sizes)):
+            return False
+    return True
+
+
 def _broadcasts(mask: Value, target: tuple[object, ...]) -> bool:
     if mask.shape is None:
         return True
@@ -459,7 +474,7 @@ def _resolve_masks(view: _View, masks: list[tuple[str, Value]], scores: Value) -
     causal, mask = 0, None
     for kind, m in masks:
         c = view.const(m)
-        if c is not None and _causal_keep(c, kind, sq, skv):
+        if _causal_keep(c, kind, sq, skv) if c is not None else _causal_by_trial(view, m, kind, scores):
             causal = 1
             continue
         if kind == "drop":

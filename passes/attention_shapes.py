@@ -76,11 +76,23 @@ class Shapes:
 
     def _infer(self, v: Value) -> Shape | None:
         p = self.ix.producer(v)
-        if p is None or len(p.outputs) != 1:
+        if p is None:
             return None
         src = self.shape(p.inputs[0]) if p.inputs and p.inputs[0] is not None else None
         if src is None:
             return None
+        if p.op == "Split" and p.attrs.get("split") is not None and len(p.attrs["split"]) == len(p.outputs):
+            axis = norm_axis(int(p.attrs.get("axis", 0)), len(src))
+            size = p.attrs["split"][[id(o) for o in p.outputs].index(id(v))]
+            return (*src[:axis], _dim(size) if isinstance(size, str) else sympy.Integer(size), *src[axis + 1:])
+        if len(p.outputs) != 1:
+            return None
+        if p.op == "Squeeze" and p.attrs.get("axes") is not None:
+            axes = {norm_axis(int(a), len(src)) for a in p.attrs["axes"]}
+            return tuple(d for i, d in enumerate(src) if i not in axes)
+        if p.op == "MatMul" and len(src) >= 2 and (other := self.shape(p.inputs[1])) is not None and len(other) >= 2:
+            batch = _broadcast([src[:-2], other[:-2]])
+            return None if batch is None else (*batch, src[-2], other[-1])
         if p.op == "Transpose" and p.attrs.get("perm") is not None:
             return tuple(src[i] for i in p.attrs["perm"])
         if p.op == "Reshape":
@@ -142,6 +154,38 @@ class Shapes:
             return None
         return out
 
+    def value_at(
+        self, v: Value, subs: Sizes, depth: int = 32, memo: dict[int, np.ndarray | None] | None = None
+    ) -> np.ndarray | None:
+        """The data of `v` with every symbolic dim given a size from `subs` (missing symbols get fresh
+        sizes, recorded in `subs`): how a shape-derived mask looks at concrete sizes. None if `v`
+        depends on more than constants and shapes."""
+        memo = {} if memo is None else memo
+        if id(v) not in memo:
+            memo[id(v)] = self._value_at(v, subs, depth, memo)
+        return memo[id(v)]
+
+    def _value_at(self, v: Value, subs: Sizes, depth: int, memo: dict[int, np.ndarray | None]) -> np.ndarray | None:
+        data = const_array(self.ix, v)
+        p = self.ix.producer(v)
+        if data is not None or p is None or depth == 0 or len(p.outputs) != 1:
+            return data
+        if p.op == "Shape":
+            s = self.shape(p.inputs[0])
+            dims = None if s is None else [concrete(d, subs) for d in s]
+            return None if dims is None else np.array(dims, dtype=np.int64)[p.attrs.get("start", 0):p.attrs.get("end")]
+        if p.op not in LOCAL_EVALUATORS:
+            return None
+        ins = [None if i is None else self.value_at(i, subs, depth - 1, memo) for i in p.inputs]
+        if any(a is None and i is not None for a, i in zip(ins, p.inputs, strict=True)):
+            return None
+        attrs = {k: _concrete_attr(a, subs) for k, a in p.attrs.items()}
+        try:
+            out = np.asarray(LOCAL_EVALUATORS[p.op](Node(p.op, p.inputs, p.outputs, attrs), ins))
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError, ZeroDivisionError):
+            return None
+        return None if out.dtype == object else out
+
     def const(self, v: Value | None) -> np.ndarray | None:
         """The numeric data of `v` when it is (shape-derived) constant, else None."""
         data = self.value(v)
@@ -154,6 +198,33 @@ class Shapes:
         except (TypeError, ValueError):
             pass
         return None
+
+
+class Sizes(dict):
+    """Concrete sizes for symbolic dims; a symbol not seen yet takes the next size of `pool`."""
+
+    def __init__(self, pool: Sequence[int]) -> None:
+        super().__init__()
+        self.pool = list(pool)
+
+    def __missing__(self, sym: sympy.Symbol) -> int:
+        self[sym] = self.pool[len(self)] if len(self) < len(self.pool) else 31 + len(self)
+        return self[sym]
+
+
+def concrete(d: sympy.Expr, sizes: Sizes) -> int:
+    return int(d.subs({s: sizes[s] for s in d.free_symbols}))
+
+
+def _concrete_attr(a: object, subs: Sizes) -> object:
+    if isinstance(a, str) and not a.startswith("torch."):
+        try:
+            return concrete(_dim(a), subs)
+        except (TypeError, ValueError):
+            return a
+    if isinstance(a, list):
+        return [_concrete_attr(x, subs) for x in a]
+    return a
 
 
 @functools.lru_cache(maxsize=4096)

@@ -63,7 +63,9 @@ OPS: dict[str, Callable[..., torch.Tensor]] = {
     "Identity": lambda x, **_: x,
     "Dropout": lambda x, *rest, **_: x,
     "Unsqueeze": lambda x, axes, **_: _unsqueeze(x, axes),
-    "Expand": lambda x, shape, **_: _expand(x, shape),
+    "Expand": lambda x, dims=None, shape=None, **_: _expand(x, dims.tolist() if dims is not None else shape),
+    "Concat": lambda *xs, axis=0, **_: torch.cat(xs, axis),
+    "Trilu": lambda x, upper=1, k=0, **_: torch.triu(x, k) if upper else torch.tril(x, k),
     "Reshape": lambda x, shape, **_: x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(shape)]),
     "Tile": lambda x, repeats, **_: x.repeat(*repeats),
     "Constant": lambda value, **_: torch.from_numpy(np.asarray(value)),
@@ -254,6 +256,22 @@ def test_causal_from_computed_constant_is_absorbed() -> None:
     s = b.op("Where", keep, _scores(b, q, k), b.const("ninf", np.float32(NEG_INF)))
     _one(*b.run(_attend(b, s, v)), causal=1)
     assert [n.op for n in b.g.nodes] == ["FusedAttention"]
+
+
+def test_causal_from_shapes_dynamic() -> None:
+    """The exporters' causal mask from the sequence length (Trilu of ones sized by Shape(q)): evaluated at
+    trial sizes for the symbolic dims, found causal, and not read by the fused node."""
+    b = _Builder()
+    q, k, v = _qkv(b, sq=10)
+    s = b.op("Unsqueeze", b.op("Gather", b.op("Shape", q), b.const("i2", np.int64(2)), axis=0), axes=[0])
+    ones = b.op("Expand", b.const("one", np.float32(1)), b.op("Concat", s, s, axis=0))
+    zero, ninf = b.const("zero", np.float32(0)), b.const("ninf", np.float32(NEG_INF))
+    causal = b.op("Where", b.op("Equal", b.op("Trilu", ones, upper=0), zero), ninf, zero)
+    out = _attend(b, b.op("Add", _scores(b, q, k), causal), v)
+    for x in (q, k, v):
+        x.shape = ("batch", H, "seq", D)
+    node = _one(*b.run(out), causal=1)
+    assert node.inputs[3] is None
 
 
 def test_not_causal_constant_stays_a_mask() -> None:
