@@ -1,6 +1,9 @@
 """Benchmark flash_attention (sm90 and forced sm80) against torch SDPA, same run, same inputs.
 
-Usage (on the GPU): python benchmarks/bench_attention.py [--out DIR] [--quick]
+Usage (on the GPU): python benchmarks/bench_attention.py [--prewarm N [--prewarm-only]] [--out DIR] [--quick]
+(device run: see benchmarks/results/attention.md for the exact command; run the GPU tests with
+`python -m pytest --import-mode=append -m gpu tests/kernels/test_attention.py` so that the repo-root
+`tkopt/` package does not shadow the shim that maps `tkopt.kernels` to `kernels/`).
 Prints a table: shape, causal, ms and TFLOP/s for SDPA and ours, ratio ours/SDPA (speed, >1 is faster).
 FLOPs: 4 * B * Hq * Sq * Skv * D (two GEMMs), halved for causal (Sq == Skv).
 Also: cold compile time (fresh TileLang cache dir, one key) and warm load (disk cache, fresh process).
