@@ -267,7 +267,8 @@ def _providers(target: str | None) -> list[str]:
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise RuntimeError(f"--target {target}: this onnxruntime has no CUDAExecutionProvider (install "
-                           "onnxruntime-gpu) to run the CUDA op library; the library was built")
+                           "onnxruntime-gpu) to run the CUDA op library (`tkopt optimize --target` builds it "
+                           "without running it)")
     return ONNX_CUDA_PROVIDERS
 
 
