@@ -7,7 +7,7 @@ two public program builders that another engineer lowers to C / CUDA source:
   producer/consumer warp specialization applies automatically to the TMA pipeline) and sm80 (mma.sync,
   cp.async; num_stages=1, see DEFAULT_CONFIGS) variants. Same template; they differ in target, pass
   configs and tile config. Forced sm80 on a Hopper GPU is built for sm_90 with wgmma/TMA off.
-  fp32 inputs run on tensor cores as tf32 (P goes through shared memory), relative error ~1e-3.
+  fp32 inputs run on tensor cores as tf32 (P goes through shared memory); not yet checked on a GPU.
 - `cpu_program(...)`: the C-backend variant (serial, one query row per program, blocked online softmax).
 
 Compile-time keys (all hashable; see the builders' docstrings): dtype, head dim, query heads, kv heads,
