@@ -42,7 +42,7 @@ CPU_MAX_HEAD_DIM = 256
 _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
-# Default tile configs per arch; `fp32` (tf32-free mma fallback, see _default_config) uses smaller tiles.
+# Default tile configs per arch; fp32 (tf32 tensor-core math) uses FP32_CONFIG, smaller tiles.
 DEFAULT_CONFIGS = {
     ("sm90", 64): dict(block_M=128, block_N=128, num_stages=2, threads=256),
     ("sm90", 128): dict(block_M=128, block_N=128, num_stages=2, threads=256),
