@@ -1,12 +1,21 @@
 """Attention fusion: softmax(Q K^T * scale + mask [causal]) V, decomposed or canonical, -> FusedAttention.
 
 Two anchors. A decomposed attention is found from its Softmax: backwards through the scores chain
-(scale Mul/Div, additive-mask Add, Where(cond, scores, -inf) masks, Casts) to the Q·K^T MatMul,
-forwards through Casts and eval-mode Dropout to the ·V MatMul. A ScaledDotProductAttention node
-(aten.scaled_dot_product_attention) is converted directly. In both, the Q/K/V operands are then
-"peeled": single-use Transposes (permutations composed, the net effect checked exactly), scale
-Muls on Q and K, and the GQA head repeat of K/V (repeat_interleave semantics only) are absorbed,
-and BSHD inputs with a transposed-back output become layout "bshd".
+(scale Mul/Div, additive-mask Add, Where(cond, scores, -inf) masks, Casts) to Q·K^T, forwards through
+Casts, eval-mode Dropout and the exporters' NaN/row guards (which zero fully masked rows, as
+FusedAttention defines) to ·V. Either MatMul may be the decomposed-FX bmm form (Reshape to 3-D,
+bmm, Reshape back). A ScaledDotProductAttention node (aten.scaled_dot_product_attention) is
+converted directly. In both, the Q/K/V operands are then "peeled": single-use Transposes
+(permutations composed, the net effect checked exactly; also dynamo's 3-D K^T), scale Muls on Q
+and K, and the GQA head repeat of K/V (repeat_interleave semantics only) are absorbed, and BSHD
+inputs with a transposed-back output become layout "bshd". Masks that are constant, or computed
+from shapes only, are checked for the top-left causal pattern (causal=1); any other mask becomes
+the mask input, its producers staying outside.
+
+Dynamic-shape exports are matched with symbolic shapes (attention_shapes.py). ONNX graphs only:
+Shape reads of absorbed per-head tensors are rewritten onto the fused node's inputs/output, and a
+K that exists only as (B,S,H,D) next to BHSD Q/V/output gets a Transpose (the torch backend re-emits
+original nodes only, so FX graphs never get new nodes).
 
 Anything that only looks like attention is refused with the reason (see the tests for each).
 """

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tkopt.passes.attention import fuse_attention
 from tkopt.passes.base import PassResult
 from tkopt.passes.canonicalize import drop_identity, fold_constants
+from tkopt.passes.pipeline import run_passes
 
 from tkopt.backends.onnx_model import export_onnx
 from tkopt.frontends.onnx import import_onnx
@@ -636,3 +637,14 @@ def test_onnx_export_sdpa_block(dynamo: bool, tmp_path) -> None:
     want, got = run_model(onnx.load(path), feeds), run_model(export_onnx(g), feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("disable", [(), ("attention",)])
+def test_pipeline_switch(disable: tuple[str, ...]) -> None:
+    """The user-facing switch "attention" turns the whole family off."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    b.g.outputs = [_attend(b, b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D)))), v)]
+    report = run_passes(b.g, disable)
+    fused = [n for n in b.g.nodes if n.op == "FusedAttention"]
+    assert len(fused) == report.fusions.get("attention", 0) == (0 if disable else 1)
