@@ -135,6 +135,7 @@ def warm_specs():
     """Every kernel the GPU tests and this benchmark use (so one parallel pass fills TileLang's disk cache)."""
     sys.path.insert(0, "tests/kernels")
     import test_attention as TA
+
     from tkopt.kernels import attention as A
 
     specs = []

@@ -28,6 +28,8 @@ os.environ.setdefault("TKOPT_CACHE_DIR", os.path.join(_TMP, "tune"))
 os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(_TMP, "tl"))
 os.environ.setdefault("TKOPT_AUTOTUNE", "1")
 
+from triton.testing import do_bench  # noqa: E402
+
 from tkopt.kernels import tuning  # noqa: E402
 from tkopt.kernels.config import TileConfig, default_config  # noqa: E402
 from tkopt.kernels.gated_gemm import gated_mlp  # noqa: E402
@@ -40,7 +42,6 @@ from tkopt.kernels.gemm_epilogue import (  # noqa: E402
     precompile,
 )
 from tkopt.kernels.reference import gated_mlp_ref, gemm_ref  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 LINES: list[str] = []
 

@@ -30,9 +30,9 @@ from typing import Any
 os.environ.setdefault("TKOPT_AUTOTUNE", "0")  # heuristic tile configs: tuning would not fit the budget
 
 import torch  # noqa: E402
-from tkopt.models import blocks  # noqa: E402
 
 from tkopt.bench_torch import bench_module  # noqa: E402
+from tkopt.models import blocks  # noqa: E402
 
 
 @dataclass

@@ -113,6 +113,7 @@ def _bench(fn):
 
 def phase_measure(out_dir: str):
     import torch.nn.functional as F
+
     from tkopt.kernels import conv as C
     from tkopt.kernels import norm as Nm
     from tkopt.kernels import row_softmax as S
@@ -249,6 +250,7 @@ def phase_measure(out_dir: str):
 
 def _bench_conv(row, name, n, c, h, wd, f, k, s, p):
     import torch.nn.functional as F
+
     from tkopt.kernels import conv as C
     from tkopt.kernels.reference import conv2d_ref
 

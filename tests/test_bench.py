@@ -6,12 +6,12 @@ import json
 import math
 
 import pytest
-from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
-from tkopt.models.export import export_onnx
 
 from tkopt.bench import BenchResult, bench_onnx
 from tkopt.bench_torch import bench_module
 from tkopt.cli import main
+from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
+from tkopt.models.export import export_onnx
 
 
 @pytest.fixture(scope="module")

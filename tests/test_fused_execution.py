@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
-from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 
 import tkopt
+from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

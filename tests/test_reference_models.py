@@ -33,7 +33,7 @@ def test_expected_fusions_and_parity(name: str, frontend: str, tmp_path, monkeyp
         assert _counts(optimized.tkopt_report.fusions, expected) == expected
         with torch.no_grad():
             want, got = model(*inputs), optimized(*inputs)
-        want, got = (want,) if isinstance(want, torch.Tensor) else want, (got,) if isinstance(got, torch.Tensor) else got
+        want, got = ((t,) if isinstance(t, torch.Tensor) else t for t in (want, got))
         for w, g in zip(want, got, strict=True):
             rel = ((g - w).abs().max() / w.abs().max()).item()
             assert rel < 1e-5, rel
@@ -44,3 +44,35 @@ def test_expected_fusions_and_parity(name: str, frontend: str, tmp_path, monkeyp
     assert report.accuracy is not None and report.accuracy.ok
     for out in report.accuracy.outputs:
         assert out.max_rel < 1e-5, (out.name, out.max_rel)
+
+
+# transformers' models from tiny random configs (2 layers): the same fusions from every frontend.
+HF_EXPECTED = {
+    # per layer q, k, v, attn-out, ffn-in(+gelu), ffn-out = 6 GEMMs; embedding LN + 2 post-norms per layer.
+    "hf_bert": {"attention": 2, "add_norm": 5, "gemm": 12, "gated_mlp": 0},
+    # per layer c_attn (qkv), c_proj, c_fc(+gelu_tanh), mlp c_proj = 4 GEMMs; ln_1, ln_2 per layer + ln_f.
+    "hf_gpt2": {"attention": 2, "add_norm": 5, "gemm": 8, "gated_mlp": 0},
+    # per layer q, k, v, o, down = 5 GEMMs and 1 SwiGLU; 2 RMSNorms per layer + the final norm; GQA.
+    "hf_llama": {"attention": 2, "add_norm": 5, "gemm": 10, "gated_mlp": 2},
+}
+HF_CASES = [(n, "eager", f) for n in HF_EXPECTED for f in FRONTENDS] + [(n, "sdpa", "fx") for n in HF_EXPECTED]
+
+
+@pytest.mark.parametrize("name,impl,frontend", HF_CASES)
+def test_transformers_models(name: str, impl: str, frontend: str, tmp_path, monkeypatch) -> None:
+    hf = pytest.importorskip("tkopt.models.hf")
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TKOPT_KERNELS", "reference")
+    model, inputs = getattr(hf, name)(impl)
+    expected = HF_EXPECTED[name]
+    if frontend == "fx":
+        optimized = tkopt.compile(model, inputs)
+        assert _counts(optimized.tkopt_report.fusions, expected) == expected
+        with torch.no_grad():
+            want, got = model(*inputs), optimized(*inputs)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+        return
+    path = export_onnx(model, inputs, tmp_path / f"{name}.onnx", dynamo=frontend == "onnx_dynamo")
+    _, report = tkopt.optimize_onnx(path, report=False, check_accuracy=True)
+    assert _counts(report.passes.fusions, expected) == expected
+    assert all(out.max_rel < 1e-5 for out in report.accuracy.outputs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import cuda_compile, lower_cuda
+
 from tkopt.kernels import attention as A
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.attention import flash_attention

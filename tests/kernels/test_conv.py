@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import cuda_compile, lower_cuda
+
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.conv import conv2d, conv2d_program_gpu
 from tkopt.kernels.reference import conv2d_ref

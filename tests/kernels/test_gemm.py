@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 from conftest import cuda_compile, lower_cuda
+
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.config import TileConfig, default_config
 from tkopt.kernels.gated_gemm import gated_mlp, gated_mlp_program

@@ -5,6 +5,7 @@ import shutil
 import pytest
 import torch
 from conftest import cuda_compile, lower_cuda
+
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.norm import (
     _norm_kernel_for,

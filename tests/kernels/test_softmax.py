@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import cuda_compile, lower_cuda
+
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.norm import default_norm_config
 from tkopt.kernels.reference import softmax_ref

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 
 import pytest
+
 from tkopt.kernels import tuning
 from tkopt.kernels.tuning import cache_dir, pick_config, shape_bucket, tuning_enabled
 

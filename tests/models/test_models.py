@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+
 from tkopt.models import blocks, hf
 from tkopt.models.export import example_model, export_example, export_fx, export_onnx
 

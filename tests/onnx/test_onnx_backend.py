@@ -11,7 +11,6 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import helper
-from tkopt.passes.base import fuse
 
 from tests.onnx.exports import MaskedAttention
 from tkopt.api import compare_onnx, make_inputs, optimize_onnx
@@ -19,6 +18,7 @@ from tkopt.backends.onnx_model import check, export_onnx, save
 from tkopt.frontends.onnx import import_onnx
 from tkopt.ir import Graph, Node, Value
 from tkopt.onnx_runtime_ref import run_model
+from tkopt.passes.base import fuse
 
 # The TorchScript exporter is deprecated upstream but is one of the two exporters users run.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

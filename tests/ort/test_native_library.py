@@ -11,18 +11,18 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from tkopt.models.blocks import REFERENCE_MODELS
-from tkopt.models.export import export_onnx
-from tkopt.passes.pipeline import run_passes
 
 from tkopt.api import make_inputs
 from tkopt.backends.onnx_model import check
 from tkopt.backends.onnx_model import export_onnx as to_onnx
 from tkopt.frontends.onnx import import_onnx
+from tkopt.models.blocks import REFERENCE_MODELS
+from tkopt.models.export import export_onnx
 from tkopt.ort import headers
 from tkopt.ort.library import build_library, check_target
 from tkopt.ort.native import KernelSource, LibraryBuildError, compile_library
 from tkopt.ort.session import InferenceSession, OpLibraryError
+from tkopt.passes.pipeline import run_passes
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
-from tkopt.passes.base import PassResult
 
 from tkopt.fused_ops import run_reference
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+from tkopt.passes.base import PassResult
 
 T = torch.Tensor
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

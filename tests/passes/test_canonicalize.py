@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from tkopt.passes.canonicalize import FOLD_LIMIT, drop_identity, fold_constants
 
 from .ir_helpers import Builder, apply, ops

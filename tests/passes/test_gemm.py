@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tkopt.passes.gemm import gated_mlp, gemm
 from tkopt.passes.pipeline import run_passes
 from tkopt.passes.recognize import recognize_gelu, recognize_silu
@@ -197,10 +198,9 @@ REAL = [("mlp", "torchscript"), ("bert_layer", "torchscript"), ("gpt2_block", "t
 def test_reference_models_fuse_as_expected(name, how):
     """GEMM, gated-MLP and norm fusions fire on real exports as many times as the model calls for;
     ONNX results are checked against onnxruntime on the original model."""
-    from tkopt.models.blocks import EXPECTED_FUSIONS
-
     from tkopt.api import optimize_onnx
     from tkopt.frontends.fx import import_fx
+    from tkopt.models.blocks import EXPECTED_FUSIONS
 
     model = exported(name, how)
     if how.startswith("fx"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from tkopt.passes.norm import add_norm
 from tkopt.passes.recognize import recognize_rms_norm
 

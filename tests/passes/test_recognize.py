@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+
+from tkopt.ir import Node
 from tkopt.passes.finalize import expand_standins, finalize
 from tkopt.passes.pipeline import run_passes
 from tkopt.passes.recognize import recognize_gelu, recognize_layer_norm, recognize_rms_norm, recognize_silu
-
-from tkopt.ir import Node
 
 from .ir_helpers import Builder, apply, ops, reasons
 

@@ -9,15 +9,15 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
-from tkopt.passes.base import fuse
 from torch import nn
 from torch.export import Dim
 
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS
-from tkopt.torch_compile import compile as tkopt_compile
 from tkopt.frontends.fx import import_fx
+from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
+from tkopt.passes.base import fuse
+from tkopt.torch_compile import compile as tkopt_compile
 
 D = 16
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU test, or every GPU benchmark, in one go on a GPU machine that has torch, triton, onnx and
+# TileLang (on our device: `source .device/setup.sh` first) but no registry, so tkopt cannot be
+# pip-installed there: a symlink shim gives the package-dir layout (tkopt.kernels = kernels/, ...).
+#   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over the whole suite, 12 workers
+#   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
+# Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
+# tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim.
+set -uo pipefail
+phase=${1:?tests or bench}
+out=$(mkdir -p "${2:?output dir}" && cd "$2" && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+shim=$(mktemp -d)
+mkdir -p "$shim/tkopt"
+cp -rs "$root/tkopt/." "$shim/tkopt/"
+for d in kernels passes models; do ln -s "$root/$d" "$shim/tkopt/$d"; done
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TKOPT_CACHE_DIR=${TKOPT_CACHE_DIR:-$out/cache}
+cd "$root"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python -c 'import torch; print("torch", torch.__version__)'; } > "$out/env.txt"
+t0=$(date +%s)
+case "$phase" in
+  tests)
+    # Heuristic tile configs in tests: tuning is the benchmarks' business.
+    TKOPT_AUTOTUNE=0 timeout "${TESTS_TIMEOUT:-420}" python -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
+      -rfE tests > "$out/gpu_tests.log" 2>&1
+    echo "pytest rc=$? in $(( $(date +%s) - t0 ))s"; tail -n 40 "$out/gpu_tests.log"
+    ;;
+  bench)
+    for b in ${BENCHES:-gemm attention norm models}; do
+      s=$(date +%s)
+      case "$b" in
+        gemm) timeout 150 python benchmarks/bench_gemm.py --out "$out" ;;
+        attention) timeout 150 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
+        norm) timeout 90 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
+              timeout 90 python benchmarks/bench_norm.py --phase measure --out "$out" ;;
+        models) timeout 150 python benchmarks/bench_models.py --out "$out" ;;
+      esac > "$out/bench_$b.log" 2>&1
+      echo "$b rc=$? in $(( $(date +%s) - s ))s"; grep -v INFO "$out/bench_$b.log" | tail -n 30
+    done
+    ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
