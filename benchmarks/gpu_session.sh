@@ -15,7 +15,7 @@ mkdir -p "$shim/tkopt"
 cp -rs "$root/tkopt/." "$shim/tkopt/"
 for d in kernels passes models; do ln -s "$root/$d" "$shim/tkopt/$d"; done
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export TKOPT_CACHE_DIR=${TKOPT_CACHE_DIR:-$out/cache}
+export TKOPT_CACHE_DIR=${TKOPT_CACHE_DIR:-$(mktemp -d)}
 cd "$root"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python -c 'import torch; print("torch", torch.__version__)'; } > "$out/env.txt"
 t0=$(date +%s)
@@ -30,11 +30,11 @@ case "$phase" in
     for b in ${BENCHES:-gemm attention norm models}; do
       s=$(date +%s)
       case "$b" in
-        gemm) timeout 150 python benchmarks/bench_gemm.py --out "$out" ;;
-        attention) timeout 150 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
-        norm) timeout 90 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
-              timeout 90 python benchmarks/bench_norm.py --phase measure --out "$out" ;;
-        models) timeout 150 python benchmarks/bench_models.py --out "$out" ;;
+        gemm) timeout 120 python benchmarks/bench_gemm.py --out "$out" ;;
+        attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
+        norm) timeout 60 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
+              timeout 60 python benchmarks/bench_norm.py --phase measure --out "$out" ;;
+        models) timeout 200 python benchmarks/bench_models.py --out "$out" --budget-s 150 ;;
       esac > "$out/bench_$b.log" 2>&1
       echo "$b rc=$? in $(( $(date +%s) - s ))s"; grep -v INFO "$out/bench_$b.log" | tail -n 30
     done
