@@ -40,7 +40,7 @@ LOCAL_EVALUATORS = {
 
 def same(a: sympy.Expr | None, b: sympy.Expr | None) -> bool:
     """Provably equal dims."""
-    return a is not None and b is not None and sympy.simplify(a - b) == 0
+    return a is not None and b is not None and sympy.expand(a - b) == 0
 
 
 def as_int(d: sympy.Expr | None) -> int | None:
