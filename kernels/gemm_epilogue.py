@@ -30,20 +30,14 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from .arch import UnsupportedError, arch_of
+from .arch import UnsupportedError, arch_of, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
 from .reference import ACTIVATIONS
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float32, torch.float64)
-_TARGETS = {"sm90": {"kind": "cuda", "arch": "sm_90a"}, "sm80": {"kind": "cuda", "arch": "sm_80"}}
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
-
-
-def tl_target(arch: str):
-    """TileLang target for an arch name, in the form tilelang.compile/lower accept in 0.1.15."""
-    return "c" if arch == "cpu" else _TARGETS[arch]
 
 
 def _act_expr(x, act, acc):
@@ -273,10 +267,8 @@ def _compile(arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m):
                         has_residual=has_res, gated=gated, m=m)
     if arch == "cpu":
         return tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
-    # sm80: also embed compute_80 PTX, so the sm80 variant runs on newer GPUs (e.g. forced on an H200 via
-    # TKOPT_ARCH=sm80); sm_80 SASS alone does not load on sm_90. One token: libgen drops repeated tokens.
-    flags = ["--generate-code=arch=compute_80,code=compute_80"] if arch == "sm80" else None
-    return tilelang.compile(func, target=tl_target(arch), compile_flags=flags)
+    # sm80 on a newer GPU is built for that GPU with Hopper features off (arch.run_target says why).
+    return tilelang.compile(func, target=run_target(arch), pass_configs=run_pass_configs(arch))
 
 
 def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from .arch import UnsupportedError, arch_of, target_of
+from .arch import UnsupportedError, arch_of, run_pass_configs, run_target, target_of
 from .tuning import pick_config as _pick_config
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -52,17 +52,6 @@ def tl_dtype(dt: torch.dtype) -> str:
 
 def acc_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
-
-
-def resolved_target(arch: str):
-    """target_of(arch) in a form tilelang.compile accepts (arch.py returns a tvm Target; a CLI string such as
-    "cuda -arch=sm_90a" is converted, since TileLang 0.1.15's TVM no longer parses those)."""
-    t = target_of(arch)
-    if isinstance(t, str):
-        from tilelang.tools.compile_only import resolve_target
-
-        return resolve_target(t)
-    return t
 
 
 _compile_lock = threading.Lock()
@@ -88,7 +77,8 @@ def compile_cached(key: tuple, arch: str, build: Callable[[], object]):
                 with tvm.target.Target("c"):
                     kern = tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
             else:
-                kern = tilelang.compile(func, target=resolved_target(arch))
+                # sm80 on a newer GPU is built for that GPU with Hopper features off (arch.run_target).
+                kern = tilelang.compile(func, target=run_target(arch), pass_configs=run_pass_configs(arch))
             COMPILE_LOG.append((repr(key), time.perf_counter() - t0))
             _compiled[key] = kern
     return kern
