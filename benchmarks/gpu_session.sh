@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over the whole suite, 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
 # Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
-# tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim.
+# tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim (and -P keeps
+# the working directory off sys.path for the same reason).
 set -uo pipefail
 phase=${1:?tests or bench}
 out=$(mkdir -p "${2:?output dir}" && cd "$2" && pwd)
@@ -22,7 +23,7 @@ t0=$(date +%s)
 case "$phase" in
   tests)
     # Heuristic tile configs in tests: tuning is the benchmarks' business.
-    TKOPT_AUTOTUNE=0 timeout "${TESTS_TIMEOUT:-420}" python -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
+    TKOPT_AUTOTUNE=0 timeout "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
       -rfE tests > "$out/gpu_tests.log" 2>&1
     echo "pytest rc=$? in $(( $(date +%s) - t0 ))s"; tail -n 40 "$out/gpu_tests.log"
     ;;
