@@ -21,7 +21,7 @@ Program builders:
 
 import torch
 
-from .arch import UnsupportedError, arch_of
+from .arch import TARGETS, UnsupportedError, arch_of, run_target
 from .norm import (
     CPU_DTYPES,
     GPU_DTYPES,
@@ -267,6 +267,11 @@ def conv2d(x, w, bias=None, act=None, stride=1, padding=0, dilation=1, groups: i
     if bias is not None and (bias.shape != (f,) or bias.dtype != x.dtype or bias.device != x.device):
         raise ValueError(f"bias must be a ({f},) {x.dtype} tensor on {x.device}, got {tuple(bias.shape)} {bias.dtype}")
     arch = arch_of(x, arch)
+    if arch == "sm80" and run_target(arch) != TARGETS["sm80"]:
+        # Seen on the H200 (2026-11-30): the sm80 conv program built for Hopper with wgmma/TMA off gives
+        # wrong results (rel err ~0.9) while the sm80 GEMM/norm/softmax built that way are right. Refuse
+        # rather than answer wrong; a real Ampere GPU builds it for sm_80 and is not affected.
+        raise UnsupportedError("conv2d: the sm80 variant is not supported on this newer GPU; use the native variant")
     allowed = CPU_DTYPES if arch == "cpu" else GPU_DTYPES
     if x.dtype not in allowed:
         raise UnsupportedError(f"conv2d on {arch}: dtype {x.dtype} not supported (supported: {allowed})")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tkopt
+from tkopt.models import blocks
 from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 
 
@@ -63,8 +64,16 @@ def test_torch_compile_backend_runs_cpu_kernels(monkeypatch) -> None:
         assert _rel(fast(*inputs), model(*inputs)) < 1e-5
 
 
-GPU_CASES = [(name, dtype, arch) for name in ("bert_layer", "gpt2_block", "llama_block", "vit_block")
-             for dtype in (torch.float16, torch.bfloat16) for arch in ("sm90", "sm80")]
+# GPU kernels take head dims 64 and 128 (the CPU blocks above use 16): the same blocks at head dim 64,
+# sequence 77 (no tile multiple), and GQA for Llama.
+GPU_MODELS = {
+    "bert_layer": lambda: blocks.BertLayer(blocks.BertLayerConfig(hidden=256, heads=4, ffn=512)),
+    "gpt2_block": lambda: blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=256, heads=4, max_seq=128)),
+    "llama_block": lambda: blocks.LlamaBlock(blocks.LlamaBlockConfig(hidden=256, heads=4, kv_heads=2, ffn=512)),
+    "vit_block": lambda: blocks.ViTBlock(blocks.ViTBlockConfig(hidden=256, heads=4, ffn=512)),
+}
+GPU_CASES = [(name, dtype, arch) for name in GPU_MODELS for dtype in (torch.float16, torch.bfloat16)
+             for arch in ("sm90", "sm80")]
 
 
 @pytest.mark.gpu
@@ -76,11 +85,15 @@ def test_compile_on_gpu_matches_eager(name: str, dtype: torch.dtype, arch: str, 
         pytest.skip("sm90 kernels need a Hopper GPU")
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     monkeypatch.setenv("TKOPT_ARCH", arch)
-    model, inputs = REFERENCE_MODELS[name]()
-    want = model.cuda()(*(t.cuda() for t in inputs))
+    torch.manual_seed(0)
+    model = GPU_MODELS[name]().eval().cuda()
+    inputs = tuple(t.cuda() for t in model.example_inputs(batch=3, seq=77))
+    with torch.no_grad():
+        want = model(*inputs)
     model = model.to(dtype)
-    cast = tuple(t.cuda().to(dtype) if t.is_floating_point() else t.cuda() for t in inputs)
+    cast = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
     fast = tkopt.compile(model, cast)
     assert fast.tkopt_report.kernel_fallbacks == []
+    assert {k: fast.tkopt_report.fusions.get(k, 0) for k in EXPECTED_FUSIONS[name]} == EXPECTED_FUSIONS[name]
     with torch.no_grad():
         assert _rel(fast(*cast), want) < 1e-2

@@ -84,12 +84,23 @@ class _Rebuilder:
             return self._new_const(v)
         raise ValueError(f"value {v.name} has no producer in graph {self.graph.name!r}")
 
+    def _device_of(self, v: Value) -> torch.device:
+        """Where a folded constant lives: where the value it replaces lived, else with the module's tensors."""
+        val = v.origin.meta.get("val") if isinstance(v.origin, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            return val.device
+        for t in (*self.root.values(), *self.old.parameters(), *self.old.buffers()):
+            if isinstance(t, torch.Tensor):
+                return t.device
+        return torch.device("cpu")
+
     def _new_const(self, v: Value) -> fx.Node:
         """A constant a pass made (no original get_attr): registered as a buffer of the new module."""
         name = f"_tkopt_const_{self.consts}"
         self.consts += 1
         t = torch.from_numpy(np.array(v.const))
-        self.root[name] = t.to(_TORCH_DTYPES[v.dtype]) if v.dtype in _TORCH_DTYPES else t
+        t = t.to(_TORCH_DTYPES[v.dtype]) if v.dtype in _TORCH_DTYPES else t
+        self.root[name] = t.to(self._device_of(v))
         self.vals[id(v)] = self.new.get_attr(name)
         return self.vals[id(v)]
 
