@@ -2,7 +2,7 @@
 # Every GPU test, or every GPU benchmark, in one go on a GPU machine that has torch, triton, onnx and
 # TileLang (on our device: `source .device/setup.sh` first) but no registry, so tkopt cannot be
 # pip-installed there: a symlink shim gives the package-dir layout (tkopt.kernels = kernels/, ...).
-#   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over the whole suite, 12 workers
+#   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
 # Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
 # tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim (and -P keeps
@@ -24,7 +24,7 @@ case "$phase" in
   tests)
     # Heuristic tile configs in tests: tuning is the benchmarks' business.
     TKOPT_AUTOTUNE=0 timeout "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
-      -rfE tests > "$out/gpu_tests.log" 2>&1
+      -rfE ${TEST_PATHS:-tests} > "$out/gpu_tests.log" 2>&1
     echo "pytest rc=$? in $(( $(date +%s) - t0 ))s"; tail -n 40 "$out/gpu_tests.log"
     ;;
   bench)
