@@ -464,23 +464,24 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
     from .tuning import cached_entry, pick_config, shape_bucket, tuning_enabled
 
     acc = 2 if gated else 1
+    # The memo first: this runs on every call, and building the candidates costs ~100 us of Python.
+    key = (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t)
+    mkey = (kind, arch, key, gated)
+    hit = _SELECTED.get(mkey)
+    if hit is not None:
+        return hit
     default = default_config(arch, dtype, accumulators=acc, m=M)
     if arch == "cpu" or dtype == torch.float32 or M <= 64:
+        _SELECTED[mkey] = default
         return default
     cands = [c for c in TUNE_CANDIDATES[arch] if _valid(c, arch, dtype, acc)]
     if gated:
         cands = [c for c in cands if c["block_tile"][1] <= 128] + [
             dict(block_tile=(128, 128, 64), stages=3, threads=256)] * (arch == "sm90")
         cands = list({str(c): c for c in cands}.values())
-    key = (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t)
     d = default.as_dict()
     d = {k: d[k] for k in ("block_tile", "stages", "threads")}
     d["block_tile"] = tuple(d["block_tile"])
-
-    mkey = (kind, arch, key)
-    hit = _SELECTED.get(mkey)
-    if hit is not None:
-        return hit
 
     def bench(c):
         return run(TileConfig(**c).validate(arch, dtype, acc))
