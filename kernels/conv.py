@@ -29,10 +29,10 @@ from .norm import (
     _pick_config,
     acc_dtype,
     compile_cached,
-    gpu_bench,
     tl_dtype,
 )
 from .reference import ACTIVATIONS
+from .tuning import median_ms
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -310,7 +310,7 @@ def conv2d(x, w, bias=None, act=None, stride=1, padding=0, dilation=1, groups: i
             kp_, fp_ = _ceil_to(k_total, cf["block_k"]), _ceil_to(f, cf["block_n"])
             a = _launch_args(xh, w, bias, y, kp_, fp_, f)
             kern_ = _gpu_kernel(shape_key, dt, act_key, bias is not None, arch, cf)
-            return gpu_bench(lambda: kern_(*a))
+            return median_ms(lambda: kern_(*a))
 
         cfg = _pick_config("conv2d", arch, ck, conv_candidates(c, f, k_total, dt, arch), default, bench)
         _cfg_cache[ck] = cfg

@@ -10,7 +10,8 @@ Weights: (K, N) each, or (N, K) linear weights with weights_transposed=True.
 
 from .arch import UnsupportedError
 from .config import TileConfig, default_config
-from .gemm_epilogue import _check_tensor, _launch, _resolve_config, bench_ms, check_inputs, gemm_program, select_config
+from .gemm_epilogue import _check_tensor, _launch, _resolve_config, check_inputs, gemm_program, select_config
+from .tuning import median_ms
 
 GATED_ACTS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
 
@@ -53,7 +54,7 @@ def gated_mlp(x, w_gate, w_up, act="silu", b_gate=None, b_up=None, *, weights_tr
         cfg = default_config(arch, x.dtype, accumulators=2)
     else:
         def run(c):
-            return bench_ms(lambda: _launch(arch, c, *args, None, out_shape, M, N, K, True))
+            return median_ms(lambda: _launch(arch, c, *args, None, out_shape, M, N, K, True))
 
         cfg = select_config("gated_mlp", arch, M, N, K, x.dtype, act, b_gate is not None, False,
                             weights_transposed, run, gated=True)

@@ -33,6 +33,7 @@ import torch
 from .arch import UnsupportedError, arch_of, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
 from .reference import ACTIVATIONS
+from .tuning import median_ms
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float32, torch.float64)
@@ -506,23 +507,6 @@ def _valid(c, arch, dtype, acc):
         return False
 
 
-def bench_ms(fn, warmup=3, reps=10) -> float:
-    """Median ms of fn() with CUDA events (used to time tuning candidates)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=None, arch=None):
     """act(a @ b + bias) + residual with the epilogue fused into the store (semantics: reference.gemm_ref).
 
@@ -535,7 +519,7 @@ def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=No
         cfg = default_config(arch, a.dtype)
     else:
         def run(cfg):
-            return bench_ms(lambda: _launch(arch, cfg, a, [b], [bias], act, residual, b_transposed, None,
+            return median_ms(lambda: _launch(arch, cfg, a, [b], [bias], act, residual, b_transposed, None,
                                             out_shape, M, N, K, False))
 
         cfg = select_config("gemm", arch, M, N, K, a.dtype, act, bias is not None, residual is not None,

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from .arch import UnsupportedError, arch_of, run_pass_configs, run_target, target_of
+from .tuning import median_ms
 from .tuning import pick_config as _pick_config
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -89,23 +90,6 @@ def cuda_source(func, arch: str) -> str:
     from tilelang.tools.compile_only import compile_kernel_source
 
     return compile_kernel_source(func, target_of(arch))
-
-
-def gpu_bench(fn: Callable[[], object]) -> float:
-    """Median ms of fn() with CUDA events (used as pick_config's bench)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _ceil_to(a: int, b: int) -> int:
@@ -434,7 +418,7 @@ def get_norm_kernel(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flag
 
         def bench(c: dict) -> float:
             k = _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, c)
-            return gpu_bench(lambda: k(*args))
+            return median_ms(lambda: k(*args))
 
         cfg = _pick_config(f"{kind}_norm", arch, (n, dtype, w_dtype, fkey), norm_candidates(n, elem, arch),
                            default, bench) if args is not None else default

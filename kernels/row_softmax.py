@@ -24,10 +24,10 @@ from .norm import (
     acc_dtype,
     compile_cached,
     default_norm_config,
-    gpu_bench,
     norm_candidates,
     tl_dtype,
 )
+from .tuning import median_ms
 
 _LOG2E = 1.4426950408889634
 
@@ -127,7 +127,7 @@ def get_softmax_kernel(n: int, dtype: str, arch: str, args=None):
 
         def bench(c):
             k = _kernel_for(n, dtype, arch, c)
-            return gpu_bench(lambda: k(*args))
+            return median_ms(lambda: k(*args))
 
         cfg = default if args is None else _pick_config(
             "softmax", arch, (n, dtype), norm_candidates(n, elem, arch), default, bench)

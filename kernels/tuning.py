@@ -219,3 +219,22 @@ __all__ = [
     "shape_bucket",
     "tuning_enabled",
 ]
+
+
+def median_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median ms of fn() timed with CUDA events: how every kernel's tuning candidates are timed."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]

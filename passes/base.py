@@ -7,7 +7,7 @@ Reasons are kept so that the report can say why a near match was not fused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,14 @@ def legality_problem(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Valu
     return None
 
 
+def flatten_replaced(nodes: Iterable[Node]) -> list[Node]:
+    """The frontend's original nodes behind `nodes` (stand-ins and fused nodes expanded)."""
+    out: list[Node] = []
+    for n in nodes:
+        out.extend(n.replaced or [n])
+    return out
+
+
 def fuse(
     graph: Graph,
     nodes: Sequence[Node],
@@ -104,12 +112,9 @@ def fuse(
     if any(v is None for v in outs):
         raise ValueError(f"{op}: only trailing outputs may be omitted")
     ordered = [n for n in graph.nodes if n in set(nodes)]
-    replaced: list[Node] = []
-    for n in ordered:  # flatten: the unfused form is always the frontend's original nodes
-        replaced.extend(n.replaced or [n])
     fused = Node(
         op=op, inputs=list(inputs), outputs=outs, attrs=s.full_attrs(attrs),
-        name=graph.fresh_name(op), domain=FUSED_DOMAIN, replaced=replaced,
+        name=graph.fresh_name(op), domain=FUSED_DOMAIN, replaced=flatten_replaced(ordered),
     )
     index = graph.nodes.index(ordered[-1])
     graph.add_node(fused, index + 1)

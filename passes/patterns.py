@@ -16,7 +16,7 @@ import numpy as np
 
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
 
-from .base import FusionError, legality_problem
+from .base import FusionError, flatten_replaced, legality_problem
 
 # Ops that only pass a value through (Cast is one when it casts to the value's own dtype).
 PASS_THROUGH = ("Identity", "Cast")
@@ -258,14 +258,6 @@ def strip(g: Graph | GraphIndex, value: Value, ops: Iterable[str] = PASS_THROUGH
         value = node.inputs[0]
         node = ix.producer(value, ops)
     return value
-
-
-def flatten_replaced(nodes: Iterable[Node]) -> list[Node]:
-    """The frontend's original nodes behind `nodes` (stand-ins and fused nodes expanded)."""
-    out: list[Node] = []
-    for n in nodes:
-        out.extend(n.replaced or [n])
-    return out
 
 
 def make_standin(
