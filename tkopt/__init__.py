@@ -22,7 +22,12 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
+_SUBPACKAGES = ("ort", "kernels", "passes", "models")
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBPACKAGES:  # tkopt.ort.InferenceSession(...) after a bare `import tkopt`
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'tkopt' has no attribute {name!r}")
