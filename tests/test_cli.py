@@ -82,3 +82,17 @@ def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rep = json.loads(capsys.readouterr().out)
     assert rep["total_fused"] > 0 and rep["accuracy"]["ok"]
     assert (tmp_path / "example.tkopt.onnx").exists()
+
+
+def test_no_fusable_pattern_is_said(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [x], [y])
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert main(["optimize", str(path)]) == 0
+    assert f"no fusable pattern found in {path}" in " ".join(capsys.readouterr().out.split())
+    out = onnx.load(str(tmp_path / "relu.tkopt.onnx"))
+    assert [n.op_type for n in out.graph.node] == ["Relu"]

@@ -101,6 +101,9 @@ class Report:
         console.print(f"[bold]tkopt[/bold] {self.source}" + (f" -> {self.output}" if self.output else ""))
         console.print(f"nodes: {p.nodes_before} -> {p.nodes_after}  fused: {p.total_fused}"
                       + (f"  disabled: {', '.join(p.disabled)}" if p.disabled else ""))
+        if p.total_fused == 0:
+            console.print(f"[yellow]no fusable pattern found in {self.source}[/yellow]: the output is the model "
+                          "re-emitted unchanged" + (" (near matches: --verbose)" if p.refusals else ""))
         t = Table(title="fusions")
         t.add_column("pass")
         t.add_column("fused", justify="right")
