@@ -755,6 +755,12 @@ def _match_softmax(view: _View, sm: Node) -> _Match:
     if rank != 4:
         raise _Refuse(f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)")
     qk, pre, masks, scale = _scores_chain(view, sm, guard)
+    if sm.attrs.get("dtype") is not None and not qk.out.dtype == pv.a.dtype == pv.out.dtype:
+        raise _Refuse(
+            f"softmax {sm.name} computes in {sm.attrs['dtype']} and the probabilities reach ·V as "
+            f"{pv.a.dtype} (·V result {pv.out.dtype}), not cast back to the Q·K^T dtype {qk.out.dtype}: "
+            f"FusedAttention returns {qk.out.dtype}"
+        )
     causal, mask = _resolve_masks(view, masks, qk.out)
     return _Match(
         nodes=[*pre, *qk.nodes, sm, *guard, *post, *pv.nodes],

@@ -186,3 +186,23 @@ def test_layout_changing_clone_is_not_identity():
     clones = [n for n in g.nodes if n.origin.target is torch.ops.aten.clone.default]
     assert [n.op for n in clones] == ["aten::clone", "Identity"]
     assert any(n.op == "Softmax" for n in g.nodes)  # dtype= its own dtype is a no-op
+
+
+@pytest.mark.parametrize(
+    "softmax",
+    [lambda x: x.softmax(-1, dtype=torch.float32), lambda x: torch.ops.aten._softmax(x, -1, True)],
+    ids=["dtype_float32", "half_to_float"],
+)
+def test_upcasting_softmax_is_softmax_with_dtype(softmax):
+    """HF attention's softmax of bf16/fp16 scores computed in float32 is Softmax(dtype="float32");
+    other dtype changes (here float32 -> float64) stay unmapped."""
+
+    class M(nn.Module):
+        def forward(self, x, y):
+            return softmax(x), y.softmax(-1, dtype=torch.float64)
+
+    ep = torch.export.export(M(), (torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(2, 3)))
+    g = import_fx(ep)
+    up = next(n for n in g.nodes if n.op == "Softmax")
+    assert up.attrs == {"axis": -1, "dtype": "float32"} and up.outputs[0].dtype == "float32"
+    assert sum(n.op == "Softmax" for n in g.nodes) == 1 and any(n.op == "aten::softmax" for n in g.nodes)

@@ -252,3 +252,34 @@ def test_compile_reference_models(name):
         for args in (example, bigger):
             assert rel_err(c(*args), model(*args)) < 1e-5
         assert len(c.specializations) == 1
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
+def test_compile_llama_block_half_precision(dtype, tol):
+    """HF attention's softmax(scores, dtype=float32).to(q.dtype) in a half/bf16 model is attention:
+    the fused block matches the float32 eager block on the same weights."""
+    model, example = REFERENCE_MODELS["llama_block"]()
+    with torch.no_grad():
+        want = model(*example)
+        c = tkopt_compile(model.to(dtype), tuple(t.to(dtype) for t in example))
+        assert c.tkopt_report.fusions == EXPECTED_FUSIONS["llama_block"], c.tkopt_report.refusals
+        got = c(*(t.to(dtype) for t in example))
+    assert got.dtype == dtype and rel_err(got.float(), want) < tol
+
+
+def test_compile_refuses_float32_probs_times_float32_v():
+    """Probabilities kept in float32 times V cast to float32 give a float32 result; FusedAttention
+    would return bfloat16, so this is refused and runs as it was."""
+
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            p = torch.softmax(q @ k.transpose(2, 3) * 0.25, dim=-1, dtype=torch.float32)
+            return p @ v.float()
+
+    torch.manual_seed(0)
+    args = tuple(torch.randn(2, 4, 9, 16, dtype=torch.bfloat16) for _ in range(3))
+    c = tkopt_compile(M(), args)
+    assert c.tkopt_report.fusions.get("attention", 0) == 0
+    reasons = [r.reason for r in c.tkopt_report.refusals]
+    assert any("not cast back to the Q·K^T dtype bfloat16" in r for r in reasons), reasons
+    assert torch.equal(c(*args), M()(*args))

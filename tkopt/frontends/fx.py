@@ -164,9 +164,15 @@ def _same_dtype(n: fx.Node, dtype: torch.dtype | None) -> bool:
 
 
 def _softmax(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
-    if not _same_dtype(n, a.get("dtype")) or a.get("half_to_float"):
-        return None
-    return "Softmax", [a["self"]], {"axis": a["dim"]}
+    """softmax(x, dim, dtype=float32) / _softmax(x, dim, half_to_float=True) of a half or bfloat16 x
+    (HF attention) computes and returns float32: Softmax with attribute dtype "float32" says so.
+    Other dtype changes stay unmapped."""
+    src, out = node_val(n.args[0]).dtype, node_val(n).dtype
+    if out == src:
+        return "Softmax", [a["self"]], {"axis": a["dim"]}
+    if src in (torch.float16, torch.bfloat16) and out == torch.float32:
+        return "Softmax", [a["self"]], {"axis": a["dim"], "dtype": "float32"}
+    return None
 
 
 def _layer_norm(n: fx.Node, a: dict[str, Any]) -> Mapped:
