@@ -16,16 +16,16 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from tkopt.passes.attention import fuse_attention
-from tkopt.passes.base import PassResult
-from tkopt.passes.canonicalize import drop_identity, fold_constants
-from tkopt.passes.pipeline import run_passes
 
 from tkopt.backends.onnx_model import export_onnx
 from tkopt.frontends.onnx import import_onnx
 from tkopt.fused_ops import run_reference
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 from tkopt.onnx_runtime_ref import run_model
+from tkopt.passes.attention import fuse_attention
+from tkopt.passes.base import PassResult
+from tkopt.passes.canonicalize import drop_identity, fold_constants
+from tkopt.passes.pipeline import run_passes
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bool: "bool", torch.int64: "int64"}
 TORCH = {v: k for k, v in DTYPES.items()}
