@@ -30,11 +30,13 @@ def expand_standins(graph: Graph) -> int:
     return count
 
 
-def remove_unused(graph: Graph) -> int:
+def remove_unused(graph: Graph, keep_fallbacks: bool = True) -> int:
     """Drop canonical nodes whose outputs nothing reads (e.g. left behind by folding).
 
     Graph outputs are always live; namespaced ops ("aten::...", "<domain>::...") are kept, since
-    they may have effects the IR does not model.
+    they may have effects the IR does not model. With `keep_fallbacks`, what a fused node's original
+    nodes read stays live too (e.g. a causal mask the fused node does not need): a node whose kernel
+    then proves unavailable is unfused and needs them. `seal` drops them once kernels are settled.
     """
     live = {id(v) for v in graph.outputs}
     keep: list[Node] = []
@@ -42,9 +44,16 @@ def remove_unused(graph: Graph) -> int:
         if "::" in n.op or any(id(o) in live for o in n.outputs):
             keep.append(n)
             live.update(id(v) for v in n.inputs if v is not None)
+            if keep_fallbacks and n.is_fused:
+                live.update(id(v) for r in n.replaced for v in r.inputs if v is not None)
     dropped = len(graph.nodes) - len(keep)
     graph.nodes = keep[::-1]
     return dropped
+
+
+def seal(graph: Graph) -> int:
+    """Drop what only fused nodes' fallbacks read: call once every fused node's kernel is settled."""
+    return remove_unused(graph, keep_fallbacks=False)
 
 
 @register("finalize", required=True)

@@ -16,6 +16,7 @@ from tkopt.frontends.onnx import DTYPES, import_onnx, load_model
 from tkopt.onnx_runtime_ref import has_fused_nodes, native_library, run_model
 from tkopt.ort.library import LibraryBuild, build_library, check_target
 from tkopt.ort.session import LIBRARY_KEY, TARGET_KEY
+from tkopt.passes.finalize import seal
 from tkopt.passes.pipeline import run_passes
 from tkopt.report import DEFAULT_TOLERANCE, TOLERANCES, Accuracy, OutputError, Report
 
@@ -55,6 +56,8 @@ def optimize_onnx(
         lib: LibraryBuild | None = None
         if target is not None:
             lib = build_library(graph, target, Path(tmp) / "ops.so")
+        else:
+            seal(graph)
         optimized = export_onnx(graph)
         final_lib = None
         if lib is not None and lib.nodes:
@@ -98,14 +101,15 @@ def _finish(graph, optimized, passes, ops_before, output, check_accuracy, lib, f
     return rep
 
 
-def _dim_size(dim: int | str | None) -> int:
+def _dim_size(dim: int | str | None, sizes: tuple[int, int]) -> int:
     if isinstance(dim, int) and dim > 0:
         return dim
-    return 2 if isinstance(dim, str) and "batch" in dim.lower() else 8
+    return sizes[0] if isinstance(dim, str) and "batch" in dim.lower() else sizes[1]
 
 
-def make_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random inputs matching the model's input types; symbolic dims get small sizes (same name, same size).
+def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = (2, 8)) -> dict[str, np.ndarray]:
+    """Random inputs matching the model's input types; symbolic dims get small sizes (same name, same size):
+    `sizes` = (for dims named like a batch, for the others).
 
     Integer inputs are token ids in [0, 10), `*mask*` inputs are all ones with the last quarter of
     each row zeroed (padding), `*position*` inputs count along the last axis.
@@ -117,7 +121,8 @@ def make_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        shape = [_dim_size(d.dim_value if d.HasField("dim_value") else d.dim_param or None) for d in tt.shape.dim]
+        shape = [_dim_size(d.dim_value if d.HasField("dim_value") else d.dim_param or None, sizes)
+                 for d in tt.shape.dim]
         np_dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         name = vi.name.lower()
         if "mask" in name:

@@ -318,6 +318,7 @@ def bench_onnx(
     from tkopt.frontends.onnx import import_onnx
     from tkopt.onnx_runtime_ref import has_fused_nodes, run_hybrid
     from tkopt.ort.library import build_library, check_target
+    from tkopt.passes.finalize import seal
     from tkopt.passes.pipeline import run_passes
     from tkopt.report import Report
 
@@ -335,6 +336,8 @@ def bench_onnx(
     with tempfile.TemporaryDirectory(prefix="tkopt-bench-") as tmpdir:
         tmp = Path(tmpdir)
         lib = build_library(graph, target, tmp / "ops.so") if target is not None else None
+        if lib is None:
+            seal(graph)
         fused_model = export_onnx(graph)
         check(fused_model)
         rep = Report(source=source, passes=passes, ops_before=ops_before, ops_after=graph.count_ops())

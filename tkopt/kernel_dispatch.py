@@ -18,6 +18,7 @@ import torch
 from tkopt import fused_ops
 from tkopt.ir import Graph, Node
 from tkopt.passes.base import unfuse
+from tkopt.passes.finalize import seal
 
 Tensor = torch.Tensor
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -111,6 +112,7 @@ def prepare_kernels(graph: Graph, device: torch.device) -> list[tuple[str, str]]
     Returns (node name, reason) per node left unfused. With TKOPT_KERNELS=reference nothing is probed.
     """
     if not use_kernels():
+        seal(graph)
         return []
     fallbacks = []
     for node in [n for n in graph.nodes if n.is_fused]:
@@ -120,6 +122,7 @@ def prepare_kernels(graph: Graph, device: torch.device) -> list[tuple[str, str]]
                           stacklevel=2)
             unfuse(graph, node)
             fallbacks.append((node.name, reason))
+    seal(graph)
     return fallbacks
 
 

@@ -54,6 +54,20 @@ def _check_dtypes(node: Node, dtype: str, arch: str, indices: tuple[int, ...]) -
             raise Unservable(f"{node.name}: input {i} ({v.name}) is {v.dtype}, expected {dtype} like input 0")
 
 
+def _check_same_shape(node: Node, x: Value, r: Value) -> None:
+    """The kernel adds the residual row by row: refuse a residual that broadcasts against X.
+
+    A static dim against a dynamic one (unknown or symbolic) broadcasts for some sizes, so it is
+    refused; two dynamic dims are taken as equal here and checked by the library at run time.
+    """
+    if x.shape is None or r.shape is None or len(x.shape) != len(r.shape):
+        raise Unservable(f"{node.name}: residual {r.name} rank differs from X's (a broadcasting add)")
+    for i, (a, b) in enumerate(zip(x.shape, r.shape, strict=True)):
+        if (isinstance(a, int) or isinstance(b, int)) and a != b:
+            raise Unservable(f"{node.name}: residual {r.name} axis {i} is {b!r} against X's {a!r} (a broadcasting "
+                             "add; the kernel adds equal shapes)")
+
+
 def _last_dim_expr(src: int, n: int) -> str:
     return f"[&]{{ auto s = s{src}; s.back() = {n}; return s; }}()"
 
@@ -157,6 +171,8 @@ def _add_norm(node: Node, arch: str) -> ProgramSpec:
     _check_dtypes(node, dtype, arch, (1,))
     x, residual, weight, bias = node.inputs
     n = _static(x, -1, "X")
+    if residual is not None:
+        _check_same_shape(node, x, residual)
     w_dtypes = {v.dtype for v in (weight, bias) if v is not None}
     if len(w_dtypes) > 1:
         raise Unservable(f"{node.name}: weight and bias dtypes differ ({sorted(w_dtypes)})")

@@ -10,6 +10,7 @@ from pathlib import Path
 from tkopt.fused_ops import schema
 from tkopt.ir import Graph, Node
 from tkopt.passes.base import unfuse
+from tkopt.passes.finalize import seal
 
 from .bindings import Unservable, program_spec
 from .native import KernelSource, NodeBinding, compile_library, lower_program
@@ -36,6 +37,44 @@ def check_target(target: str) -> None:
         raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target != "cpu" and shutil.which("nvcc") is None:
         raise ValueError(f"--target {target} needs nvcc (the CUDA toolkit) on PATH to build the op library")
+
+
+def fill_static_dims(graph: Graph) -> int:
+    """Measure the dims of fused nodes' inputs that shape inference left unknown.
+
+    Exports with dynamic axes often lose static sizes after computed Reshapes (a head dim of
+    `(batch, seq, 4, ?)`), and a kernel needs them at build time. The original model runs in ORT at
+    two batch/sequence sizes; a dim equal in both runs is static and filled in; one that differs is
+    dynamic and stays unknown. The generated C++ checks every static dim again at run time.
+    Returns how many dims were filled.
+    """
+    import tempfile
+
+    from tkopt.api import make_inputs
+    from tkopt.bench_nodes import capture_onnx
+
+    model = graph.meta.get("onnx_model")
+    values = {id(v): v for n in graph.nodes if n.is_fused for v in n.inputs
+              if v is not None and v.const is None and v.shape is not None and None in v.shape}
+    if model is None or not values:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [capture_onnx(model, list(values.values()), make_inputs(model, sizes=sizes), ["CPUExecutionProvider"],
+                             Path(tmp)) for sizes in ((2, 8), (3, 13))]
+    filled = 0
+    for v in values.values():
+        if v.name not in runs[0] or v.name not in runs[1]:
+            continue
+        a, b = runs[0][v.name].shape, runs[1][v.name].shape
+        if len(a) != len(v.shape) or len(b) != len(v.shape):
+            continue
+        dims = list(v.shape)
+        for i, d in enumerate(dims):
+            if d is None and a[i] == b[i]:
+                dims[i] = int(a[i])
+                filled += 1
+        v.shape = tuple(dims)
+    return filled
 
 
 def prepare(graph: Graph, target: str) -> tuple[list[NodeBinding], list[KernelSource], list[tuple[str, str]]]:
@@ -77,7 +116,9 @@ def build_library(graph: Graph, target: str, path: Path) -> LibraryBuild:
     """
     check_target(target)
     t0 = time.perf_counter()
+    fill_static_dims(graph)
     bindings, kernels, unfused = prepare(graph, target)
+    seal(graph)
     fused = [n for n in graph.nodes if n.is_fused]
     if bindings:
         compile_library(bindings, kernels, target, op_signatures(fused), Path(path))
