@@ -60,7 +60,8 @@ def test_torch_compile_backend_runs_cpu_kernels(monkeypatch) -> None:
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
     fast = torch.compile(model, backend="tkopt")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a kernel falling back (e.g. probed under fake mode) fails
         assert _rel(fast(*inputs), model(*inputs)) < 1e-5
 
 

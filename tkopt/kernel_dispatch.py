@@ -82,28 +82,36 @@ def probe(node: Node, device: torch.device) -> str | None:
 
     Symbolic dims get small sizes (the same symbol, the same size). Only dtypes and static dims
     matter to the kernels' compile-time keys, so one probe builds the kernel every call will use.
+    A torch.compile backend runs under Dynamo's fake mode, so the probe leaves it for real tensors.
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        try:
+            run_kernel(node.op, _random_inputs(node, device), node.attrs)
+        except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
+            return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _random_inputs(node: Node, device: torch.device) -> list[Tensor | None]:
     sizes: dict[str, int] = {}
     gen = torch.Generator().manual_seed(0)
     tensors: list[Tensor | None] = []
-    try:
-        for v in node.inputs:
-            if v is None:
-                tensors.append(None)
-                continue
-            dtype = DTYPES.get(v.dtype or "")
-            if dtype is None:
-                return f"input {v.name} has dtype {v.dtype}, which no kernel takes"
-            shape = _concrete(v.shape, sizes)
-            if dtype == torch.bool:
-                t = torch.rand(shape, generator=gen) > 0.1
-            else:
-                t = torch.randn(shape, generator=gen).to(dtype)
-            tensors.append(t.to(device))
-        run_kernel(node.op, tensors, node.attrs)
-    except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
-        return f"{type(e).__name__}: {e}"
-    return None
+    for v in node.inputs:
+        if v is None:
+            tensors.append(None)
+            continue
+        dtype = DTYPES.get(v.dtype or "")
+        if dtype is None:
+            raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
+        shape = _concrete(v.shape, sizes)
+        if dtype == torch.bool:
+            t = torch.rand(shape, generator=gen) > 0.1
+        else:
+            t = torch.randn(shape, generator=gen).to(dtype)
+        tensors.append(t.to(device))
+    return tensors
 
 
 def prepare_kernels(graph: Graph, device: torch.device) -> list[tuple[str, str]]:

@@ -254,7 +254,11 @@ def compile_library(bindings: list[NodeBinding], kernels: list[KernelSource], ta
                    *includes, *map(str, srcs), "-o", str(tmp_out)]
         else:
             nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+            # TileLang 0.1.15's tl_templates/cuda/debug.h defines non-inline functions (debug_print_msg, a
+            # full template specialization) in a header, so two kernels' objects both define them: let the
+            # linker keep one of the identical copies.
             cmd = [nvcc, "-std=c++20", "-O3", "-w", "-Xcudafe", "--diag_suppress=177", "--shared",
+                   "-Xlinker", "--allow-multiple-definition",
                    "--compiler-options", "-fPIC", "-gencode", _GENCODE[target], *includes,
                    f"-I{tl_env.CUTLASS_INCLUDE_DIR}", *map(str, srcs), "-o", str(tmp_out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
