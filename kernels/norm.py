@@ -100,6 +100,21 @@ def _ceil_to(a: int, b: int) -> int:
 # Programs
 # ----------------------------------------------------------------------------------------------
 
+def in_bounds(m, n: int, col_guard: bool, row_guard: bool):
+    """The predicate `ok(row, j)` for element j of a row in a tile padded to vector width and block rows:
+    only the guards the padding needs, so exact tiles keep unguarded (vectorizable) loads."""
+    import tilelang.language as T
+
+    def ok(row, j):
+        if col_guard and row_guard:
+            return T.And(row < m, j < n)
+        if col_guard:
+            return j < n
+        return row < m
+
+    return ok
+
+
 def norm_program_gpu(
     kind: str,
     n: int,
@@ -131,12 +146,7 @@ def norm_program_gpu(
     inv_n = 1.0 / n
     m = T.dynamic("m")
 
-    def ok(row, j):
-        if col_guard and row_guard:
-            return T.And(row < m, j < n)
-        if col_guard:
-            return j < n
-        return row < m
+    ok = in_bounds(m, n, col_guard, row_guard)
 
     @T.prim_func
     def main(

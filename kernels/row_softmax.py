@@ -24,6 +24,7 @@ from .norm import (
     acc_dtype,
     compile_cached,
     default_norm_config,
+    in_bounds,
     norm_candidates,
     tl_dtype,
 )
@@ -44,12 +45,7 @@ def softmax_program_gpu(n: int, dtype: str, *, block_rows: int, threads_per_row:
     row_guard = block_rows > 1
     m = T.dynamic("m")
 
-    def ok(row, j):
-        if col_guard and row_guard:
-            return T.And(row < m, j < n)
-        if col_guard:
-            return j < n
-        return row < m
+    ok = in_bounds(m, n, col_guard, row_guard)
 
     @T.prim_func
     def main(X: T.Tensor((m, n), dtype), Y: T.Tensor((m, n), dtype)):
