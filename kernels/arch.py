@@ -59,31 +59,33 @@ def target_of(arch: str):
         raise UnsupportedError(f"unknown arch {arch!r}; expected one of {ARCHS}") from None
 
 
-def _device_sm() -> str | None:
+def device_sm() -> str | None:
+    """This machine's GPU as "sm_XY", None without one."""
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
 
 
-def run_target(arch: str) -> dict[str, str] | str:
+def run_target(arch: str, device: str | None = None) -> dict[str, str] | str:
     """The TileLang target that builds `arch`'s program to run on this machine's GPU.
 
     TileLang embeds machine code only, and sm_80 code does not load on Hopper (CUDA_ERROR_NO_BINARY_FOR_GPU,
     seen on the H200): the sm80 variant on a newer GPU is built for that GPU's arch, with `run_pass_configs`
     keeping it the Ampere program (mma.sync + cp.async, no wgmma/TMA/warp specialization).
+    `device` ("sm_90", ...) names the GPU instead of asking torch (to lower for it without one).
     """
     if arch == "cpu":
         return "c"
-    device = _device_sm()
+    device = device or device_sm()
     if arch == "sm80" and device is not None and device != "sm_80" and int(device[3:]) >= 90:
         return {"kind": "cuda", "arch": device}
     return dict(TARGETS[arch])
 
 
-def run_pass_configs(arch: str) -> dict[str, bool]:
-    """Pass configs that go with `run_target(arch)` (empty unless sm80 is built for a newer GPU)."""
-    target = run_target(arch)
+def run_pass_configs(arch: str, device: str | None = None) -> dict[str, bool]:
+    """Pass configs that go with `run_target(arch, device)` (empty unless sm80 is built for a newer GPU)."""
+    target = run_target(arch, device)
     if arch == "sm80" and isinstance(target, dict) and target["arch"] != "sm_80":
         return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
     return {}

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import tilelang.language as T
 import torch
 
-from .arch import UnsupportedError, arch_of
+from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 
 LOG2E = 1.4426950408889634
 LAYOUTS = ("bhsd", "bshd")
@@ -386,45 +386,19 @@ def cpu_program(
 # ---------------------------------------------------------------------------------------------------
 # Compilation (cached per compile-time key; dynamic dims make the key shape-free apart from heads/dim)
 # ---------------------------------------------------------------------------------------------------
-def tl_target(arch: str, device_sm: str | None = None):
-    """TileLang target for an arch (TileLang 0.1.15 rejects CLI strings such as "cuda -arch=sm_90a").
-
-    `device_sm` ("sm_90", ...): the GPU the "sm80" variant will run on, when that is newer than sm_8x.
-    """
-    if arch == "cpu":
-        return "c"
-    if arch not in ("sm90", "sm80"):
-        raise UnsupportedError(f"unknown arch {arch!r}; expected sm90, sm80 or cpu")
-    if arch == "sm90":
-        return {"kind": "cuda", "arch": "sm_90a"}
-    return {"kind": "cuda", "arch": device_sm or "sm_80"}
-
-
-def _pass_configs(arch: str = "sm90", device_sm: str | None = None) -> dict:
-    cfg = {"tl.enable_fast_math": True}
-    if arch == "sm80" and device_sm not in (None, "sm_80"):
-        # The sm80 template on a newer GPU: TileLang embeds a cubin only, and an sm_80 cubin does not load
-        # on sm_90 (CUDA_ERROR_NO_BINARY_FOR_GPU, seen on the H200), so compile for the device's arch
-        # with Hopper's wgmma, TMA and warp specialization turned off (mma.sync + cp.async, as on sm_80).
-        cfg.update({"tl.disable_wgmma": True, "tl.disable_tma_lower": True, "tl.disable_warp_specialized": True})
-    return cfg
-
-
-def _device_sm(arch: str) -> str | None:
-    """sm_XY of the current GPU when the "sm80" variant must be built for a newer one, else None."""
-    if arch != "sm80" or not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}" if major >= 9 else None
+def _pass_configs(arch: str = "sm90", device: str | None = None) -> dict:
+    """Fast math, plus what keeps the sm80 template Ampere-style when built for a newer GPU (arch.run_target)."""
+    return {"tl.enable_fast_math": True, **run_pass_configs(arch, device)}
 
 
 @functools.cache
-def compile_gpu(arch: str, key: tuple, config_items: tuple, device_sm: str | None = None):
-    """Compile (and cache) the GPU kernel for `key` = gpu_program's keys and a config as sorted items."""
+def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None = None):
+    """Compile (and cache) the GPU kernel for `key` = gpu_program's keys and a config as sorted items,
+    to run on `device` (the cache key: the sm80 variant is built per GPU arch)."""
     import tilelang
 
     func = gpu_program(*key, **dict(config_items))
-    return tilelang.compile(func, target=tl_target(arch, device_sm), pass_configs=_pass_configs(arch, device_sm))
+    return tilelang.compile(func, target=run_target(arch, device), pass_configs=_pass_configs(arch, device))
 
 
 @functools.cache
@@ -606,7 +580,7 @@ def flash_attention(
         return out
 
     gkey = (dtype,) + key[1:]
-    dsm = _device_sm(a)
+    dsm = device_sm()
 
     def run_with(cfg: dict) -> float:
         import triton.testing

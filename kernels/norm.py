@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from .arch import UnsupportedError, arch_of, run_pass_configs, run_target, target_of
+from .arch import UnsupportedError, arch_of, run_pass_configs, run_target
 from .tuning import median_ms
 from .tuning import pick_config as _pick_config
 
@@ -83,13 +83,6 @@ def compile_cached(key: tuple, arch: str, build: Callable[[], object]):
             COMPILE_LOG.append((repr(key), time.perf_counter() - t0))
             _compiled[key] = kern
     return kern
-
-
-def cuda_source(func, arch: str) -> str:
-    """Lower a GPU program to CUDA source for arch ('sm90' / 'sm80') without a GPU."""
-    from tilelang.tools.compile_only import compile_kernel_source
-
-    return compile_kernel_source(func, target_of(arch))
 
 
 def _ceil_to(a: int, b: int) -> int:

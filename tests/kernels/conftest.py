@@ -3,9 +3,8 @@
 Helpers (importable from test files in tests/kernels as `from conftest import ...`, or through the
 fixtures of the same purpose below):
 
-- `tl_target(arch)`: the TileLang target for "sm90" / "sm80" / "cpu" in the form TileLang 0.1.15
-  accepts (a dict for CUDA: its `lower` rejects CLI strings such as "cuda -arch=sm_90a").
-- `lower_cuda(func, arch)`: lower a `@T.prim_func` to CUDA C++ source for sm90 or sm80 (no GPU needed).
+- `lower_cuda(func, arch)`: lower a `@T.prim_func` to CUDA C++ source for sm90 or sm80 (no GPU needed;
+  the target comes from tkopt.kernels.arch.target_of).
 - `cuda_compile(src, arch)`: nvcc-compile lowered CUDA source to a cubin for sm_90a / sm_80 with
   TileLang's template and CUTLASS include dirs (the flags TileLang's own libgen uses). Returns a
   `CudaBuild` (cubin path, ptxas resource report); raises AssertionError with nvcc's output on failure.
@@ -28,27 +27,19 @@ from dataclasses import dataclass
 
 import pytest
 
+from tkopt.kernels.arch import target_of
+
 _NVCC_ARCH = {"sm90": ("90a", "sm_90a"), "sm80": ("80", "sm_80")}
 _BUILD_DIR = tempfile.mkdtemp(prefix="tkopt_nvcc_")
 _BUILDS: dict[tuple[str, str, tuple[str, ...]], CudaBuild] = {}
 
 
-def tl_target(arch: str):
-    """TileLang target for an arch name ("sm90", "sm80", "cpu")."""
-    if arch == "cpu":
-        return "c"
-    if arch not in _NVCC_ARCH:
-        raise ValueError(f"unknown arch {arch!r}; expected sm90, sm80 or cpu")
-    return {"kind": "cuda", "arch": _NVCC_ARCH[arch][1]}
-
-
 def lower_cuda(func, arch: str) -> str:
     """CUDA C++ source of a `@T.prim_func` lowered for `arch` ("sm90" or "sm80")."""
     import tilelang
-    from tilelang import tvm
 
-    target = tl_target(arch)
-    with tvm.target.Target(target):
+    target = target_of(arch)
+    with target:
         return tilelang.lower(func, target=target).kernel_source
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import cuda_compile, lower_cuda
 
 from tkopt.kernels import attention as A
-from tkopt.kernels.arch import UnsupportedError
+from tkopt.kernels.arch import UnsupportedError, run_target
 from tkopt.kernels.attention import flash_attention
 from tkopt.kernels.reference import flash_attention_ref
 
@@ -220,7 +220,7 @@ def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
 
     func = A.gpu_program("float16", 64, 4, 4, True, ("bhsd",) * 4, None, (False,) * 4, None,
                          **A.DEFAULT_CONFIGS[("sm80", 64)])  # fmt: skip
-    target = A.tl_target("sm80", "sm_90")
+    target = run_target("sm80", "sm_90")
     assert target == {"kind": "cuda", "arch": "sm_90"}
     with tvm.transform.PassContext(config=A._pass_configs("sm80", "sm_90")), tvm.target.Target(target):
         src = tilelang.lower(func, target=target).kernel_source
