@@ -7,6 +7,10 @@ non-tensor arguments) is re-exported and re-optimized for those inputs; each spe
 kept, and later calls pick the first one whose shape constraints they satisfy. With
 dynamic=False every new input signature gets its own static export. If the dynamic export fails,
 tkopt warns and exports statically.
+
+On CUDA inputs (and with autograd off) each exact input signature is captured once as a CUDA graph
+and replayed afterwards (tkopt.cuda_graphs): the per-op Python dispatch would otherwise cost more
+than the kernels. cuda_graphs=False runs every call through Python.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import fx, nn
 from torch.export import Dim
 
 from tkopt.backends.torch_module import to_torch_module
+from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.frontends.fx import import_fx, node_val
 from tkopt.kernel_dispatch import first_device, prepare_kernels
 from tkopt.passes.pipeline import Report, run_passes
@@ -96,11 +101,14 @@ def _export(module: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torc
 class CompiledModule(nn.Module):
     """Calls the optimized program matching the inputs; exports and optimizes a new one if none does."""
 
-    def __init__(self, module: nn.Module, disable: Iterable[str], dynamic: bool) -> None:
+    def __init__(self, module: nn.Module, disable: Iterable[str], dynamic: bool, cuda_graphs: bool) -> None:
         super().__init__()
         self.module = module  # the eager original: what every new specialization is exported from
         self.disable = tuple(disable)
         self.dynamic = dynamic
+        self.cuda_graphs = cuda_graphs
+        self.graphs = GraphCache()
+        self.uncaptured_reason: str | None = None  # why the latest call ran without a CUDA graph
         self.specializations: list[Specialization] = []
 
     @property
@@ -131,10 +139,15 @@ class CompiledModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        for entry in self.specializations:
-            if entry.accepts(spec, flat):
-                return entry.module(*args, **kwargs)
-        return self.specialize(args, kwargs).module(*args, **kwargs)
+        index = next((i for i, e in enumerate(self.specializations) if e.accepts(spec, flat)), None)
+        if index is None:
+            self.specialize(args, kwargs)
+            index = len(self.specializations) - 1
+        entry = self.specializations[index]
+        self.uncaptured_reason = capturable(flat, entry.module) if self.cuda_graphs else "cuda_graphs=False"
+        if self.uncaptured_reason is not None:
+            return entry.module(*args, **kwargs)
+        return self.graphs((index, signature(flat)), entry.module, flat, spec)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -143,13 +156,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     *,
     disable: Iterable[str] = (),
     dynamic: bool = True,
+    cuda_graphs: bool = True,
 ) -> CompiledModule:
     """Export `module` with `example_inputs`, fuse, and return a module with the same call signature.
 
     `disable` names passes to skip (tkopt.passes.pipeline.pass_names()). The result has
     `.tkopt_report` (what the passes did) and `.graph_module` (the optimized fx.GraphModule).
+    `cuda_graphs` replays CUDA calls without autograd as CUDA graphs (see the module docstring).
     """
-    compiled = CompiledModule(module, disable, dynamic)
+    compiled = CompiledModule(module, disable, dynamic, cuda_graphs)
     args = tuple(example_inputs)
     compiled.specialize(args, {})
     return compiled

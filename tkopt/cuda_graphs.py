@@ -1,0 +1,102 @@
+"""Replay a module's GPU work as CUDA graphs, one per exact input signature.
+
+Why: a fused layer is a dozen kernel launches, each behind Python dispatch (custom op, wrapper,
+TileLang adapter). On an H200 that host time exceeds the kernels' own time for batch-8 layers, so
+`tkopt.compile` captures each new input signature (shapes, strides, dtypes, devices, non-tensor
+values, grad mode) once and afterwards only copies inputs in, replays and copies outputs out.
+
+Outputs are returned as fresh tensors (a clone of the graph's static outputs): a result held by the
+caller is never overwritten by a later call. Parameters and buffers are captured by address, so
+in-place weight updates are seen and rebinding a parameter to a new tensor is not (re-compile then).
+A signature whose capture fails runs uncaptured from then on, after one warning naming the reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+def signature(flat: Sequence[Any]) -> Hashable:
+    """What a captured graph depends on: every tensor's layout and device, every other value, grad modes."""
+    parts: list[Hashable] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
+        else:
+            parts.append(("value", type(x).__name__, repr(x)))
+    return tuple(parts)
+
+
+def capturable(flat: Sequence[Any], module: torch.nn.Module) -> str | None:
+    """None if calls with these inputs can be graphed, else why not (CUDA graphs replay no autograd)."""
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if not tensors or any(x.device.type != "cuda" for x in tensors):
+        return "inputs are not all CUDA tensors"
+    if torch.is_grad_enabled() and (
+        any(x.requires_grad for x in tensors) or any(p.requires_grad for p in module.parameters())
+    ):
+        return "autograd is enabled (call under torch.no_grad() or torch.inference_mode() to use CUDA graphs)"
+    return None
+
+
+class CapturedCall:
+    """One CUDA graph of `fn` on static copies of one call's inputs."""
+
+    def __init__(self, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec) -> None:
+        # clone() keeps each input's strides (dense ones; expanded inputs become dense, which the
+        # static copy_ below handles), so the captured kernels see the caller's layout.
+        self.static = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat]
+        args, kwargs = pytree.tree_unflatten(self.static, spec)
+        side = torch.cuda.Stream(device=self.static_device())
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: kernel builds, autotuning, cuBLAS handles
+            fn(*args, **kwargs)
+        torch.cuda.current_stream(side.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            out = fn(*args, **kwargs)
+        self.outputs, self.out_spec = pytree.tree_flatten(out)
+
+    def static_device(self) -> torch.device:
+        return next(x.device for x in self.static if isinstance(x, torch.Tensor))
+
+    def __call__(self, flat: Sequence[Any]) -> Any:
+        for dst, src in zip(self.static, flat, strict=True):
+            if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        self.graph.replay()
+        fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs]
+        return pytree.tree_unflatten(fresh, self.out_spec)
+
+
+class GraphCache:
+    """Captured graphs per input signature, least recently used dropped beyond `limit` (each holds
+    its own activation memory)."""
+
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
+        self.graphs: OrderedDict[Hashable, CapturedCall | str] = OrderedDict()
+
+    def __call__(self, key: Hashable, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec) -> Any:
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = CapturedCall(fn, flat, spec)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: run this signature uncaptured
+                entry = f"{type(e).__name__}: {e}"
+                warnings.warn(f"tkopt: CUDA graph capture failed, running uncaptured for this input signature: "
+                              f"{entry}", stacklevel=3)
+            self.graphs[key] = entry
+            while len(self.graphs) > self.limit:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        if isinstance(entry, str):
+            args, kwargs = pytree.tree_unflatten(list(flat), spec)
+            return fn(*args, **kwargs)
+        return entry(flat)
