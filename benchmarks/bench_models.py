@@ -92,23 +92,27 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- date: {meta['date']}", f"- device: {meta['device']}", f"- torch {meta['torch']}, CUDA {meta['cuda']}, "
         f"Python {meta['python']}", f"- command: `{meta['command']}`",
         "- latency: median of CUDA-event timed calls; speedups are eager median / variant median", "",
-        "| model | arch | dtype | batch x seq | eager ms | inductor ms | tkopt ms | tkopt vs eager "
-        "| tkopt vs inductor | max rel err | fused nodes | node speedup (geomean) | wall s | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | arch | dtype | batch x seq | eager ms | inductor ms | inductor CUDA graphs ms | tkopt ms "
+        "| tkopt no graphs ms | tkopt vs eager | tkopt vs inductor | tkopt vs inductor CUDA graphs | max rel err "
+        "| fused nodes | node speedup (geomean) | wall s | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in results:
         if "error" in d or "skipped" in d:
-            lines.append(f"| {d['model']} | {d['arch']} | {d['dtype']} | | | | | | | | | | | "
+            lines.append(f"| {d['model']} | {d['arch']} | {d['dtype']} | | | | | | | | | | | | | | "
                          f"{d.get('skipped') or 'FAILED: ' + d['error'].splitlines()[0][:160]} |")
             continue
         t, s = d["timings"], d["summary"]
         ind = t.get("inductor", {}).get("median_ms")
+        ind_cg = t.get("inductor_cudagraphs", {}).get("median_ms")
         tk = t["tkopt"]["median_ms"]
         lines.append(
             f"| {d['model']} | {d['arch']} | {d['dtype']} | {d['batch']}x{d['seq']} | {_fmt(t['eager']['median_ms'])} "
-            f"| {_fmt(ind)} | {_fmt(tk)} | {_fmt(s['speedups'].get('tkopt'), '.2f', 'x')} "
-            f"| {_fmt(ind / tk if ind else None, '.2f', 'x')} | {_fmt(s['max_rel_error'], '.2e')} | {s['fused_nodes']} "
-            f"| {_fmt(s['node_speedup_geomean'], '.2f')} | {d['wall_s']:.0f} | {'ok' if s['ok'] else 'MISMATCH'} |")
+            f"| {_fmt(ind)} | {_fmt(ind_cg)} | {_fmt(tk)} | {_fmt(t.get('tkopt_no_graphs', {}).get('median_ms'))} "
+            f"| {_fmt(s['speedups'].get('tkopt'), '.2f', 'x')} | {_fmt(ind / tk if ind else None, '.2f', 'x')} "
+            f"| {_fmt(ind_cg / tk if ind_cg else None, '.2f', 'x')} | {_fmt(s['max_rel_error'], '.2e')} "
+            f"| {s['fused_nodes']} | {_fmt(s['node_speedup_geomean'], '.2f')} | {d['wall_s']:.0f} "
+            f"| {'ok' if s['ok'] else 'MISMATCH'} |")
     lines += ["", "## Per fused node (custom op vs the fx nodes it replaced, on its real inputs)", ""]
     for d in results:
         if not d.get("nodes"):

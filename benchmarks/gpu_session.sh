@@ -4,6 +4,7 @@
 # pip-installed there: a symlink shim gives the package-dir layout (tkopt.kernels = kernels/, ...).
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
+# Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES, MODELS_ARGS, MODELS_TIMEOUT (bench).
 # Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
 # tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim (and -P keeps
 # the working directory off sys.path for the same reason).
@@ -35,7 +36,7 @@ case "$phase" in
         attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
         norm) timeout 60 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
               timeout 60 python benchmarks/bench_norm.py --phase measure --out "$out" ;;
-        models) timeout 200 python benchmarks/bench_models.py --out "$out" --budget-s 150 ;;
+        models) timeout "${MODELS_TIMEOUT:-200}" python benchmarks/bench_models.py --out "$out" --budget-s 150 ${MODELS_ARGS:-} ;;
       esac > "$out/bench_$b.log" 2>&1
       echo "$b rc=$? in $(( $(date +%s) - s ))s"; grep -v INFO "$out/bench_$b.log" | tail -n 30
     done

@@ -124,13 +124,16 @@ def _reference(n: Node, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarra
 
 def torch_node_rows(graph: Graph, example_inputs: Sequence[Any], timer: Callable[[Callable[[], Any]], Timing]
                     ) -> list[NodeBench]:
-    """A NodeBench per fused node of `graph` (imported by import_fx, after passes and kernel probes)."""
+    """A NodeBench per fused node of `graph` (imported by import_fx, after passes and kernel probes).
+
+    On CUDA both sides are timed as CUDA-graph replays: kernel time, not Python dispatch."""
     import torch
     from torch import fx
 
     from tkopt.backends.torch_ops import CUSTOM_OPS
-    from tkopt.bench_torch import tensor_errors
+    from tkopt.bench_torch import replayed, tensor_errors
     from tkopt.fused_ops import schema
+    from tkopt.kernel_dispatch import first_device
 
     fused = [n for n in graph.nodes if n.is_fused]
     if not fused:
@@ -164,8 +167,9 @@ def torch_node_rows(graph: Graph, example_inputs: Sequence[Any], timer: Callable
         with torch.no_grad():
             got = _as_list(op(*ins, *attrs))[: len(n.outputs)]
             want = _as_list(tiny(*tiny_args))
-            row.fused = timer(lambda op=op, ins=ins, attrs=attrs: op(*ins, *attrs))
-            row.unfused = timer(lambda tiny=tiny, a=tiny_args: tiny(*a))
+            device = first_device(ins)
+            row.fused = timer(replayed(lambda op=op, ins=ins, attrs=attrs: op(*ins, *attrs), device))
+            row.unfused = timer(replayed(lambda tiny=tiny, a=tiny_args: tiny(*a), device))
         row.outputs = [tensor_errors(v.name, g, w) for v, g, w in zip(n.outputs, got, want, strict=True)]
     return rows
 
