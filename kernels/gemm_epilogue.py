@@ -23,6 +23,7 @@ GPU fp32 inputs use tf32 tensor cores (relative error ~1e-3).
 """
 
 
+import functools
 import math
 import threading
 
@@ -471,7 +472,7 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
     hit = _SELECTED.get(mkey)
     if hit is not None:
         return hit
-    default = default_config(arch, dtype, accumulators=acc, m=M)
+    default = default_config(arch, dtype, accumulators=acc, m=M, n=N, sms=_sm_count(arch))
     if arch == "cpu" or dtype == torch.float32 or M <= 64:
         _SELECTED[mkey] = default
         return default
@@ -497,6 +498,18 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
 
 
 _SELECTED: dict[tuple, TileConfig] = {}
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(arch: str) -> int | None:
+    """The current GPU's SM count (what the default tile is sized against); None off the GPU."""
+    if arch == "cpu" or not torch.cuda.is_available():
+        return None
+    return _device_sms(torch.cuda.current_device())
 
 
 def _valid(c, arch, dtype, acc):

@@ -164,6 +164,12 @@ def test_config_valid_defaults_and_roundtrip():
             for acc in (1, 2):
                 for m in (None, 1):
                     default_config(arch, dt, acc, m).validate(arch, dt, acc)
+                for m, n in ((2048, 512), (4096, 768), (8192, 8192), (100, 100)):
+                    default_config(arch, dt, acc, m, n, sms=132).validate(arch, dt, acc)
+    # The default tile shrinks until the grid covers the GPU's SMs (a small projection on an H200).
+    assert default_config("sm90", "float16", 1, 8192, 8192, sms=132).block_tile == (128, 256, 64)
+    assert default_config("sm90", "float16", 1, 4096, 768, sms=132).block_tile == (128, 128, 64)
+    assert default_config("sm90", "float16", 1, 2048, 512, sms=132).block_tile == (64, 128, 64)
     c = TileConfig((128, 256, 64), warp_tile=(64, 64), stages=3, threads=256)
     assert TileConfig.from_dict(c.as_dict()) == c and hash(c) == hash(TileConfig.from_dict(c.as_dict()))
     with pytest.raises(ValueError, match="unknown fields"):
