@@ -39,6 +39,17 @@ def test_compile_runs_cpu_kernels_and_matches_eager(name: str, monkeypatch) -> N
         assert _rel(fast(*bigger), model(*bigger)) < 1e-5
 
 
+def test_compile_with_inductor_for_the_rest(monkeypatch) -> None:
+    """inductor=True: inductor compiles what tkopt left unfused and calls the tkopt:: ops as extern kernels."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
+    fast = tkopt.compile(model, inputs, inductor=True)
+    assert fast.specializations[-1].run is not fast.graph_module  # calls go through torch.compile
+    assert fast.tkopt_report.total_fused > 0
+    with torch.no_grad():
+        assert _rel(fast(*inputs), model(*inputs)) < 1e-5
+
+
 def test_kernel_failure_falls_back_to_the_unfused_subgraph(monkeypatch) -> None:
     """The CPU kernels take float32/float64: a float16 module keeps every node unfused, with a warning
     naming each, and still runs (matching eager exactly, since it is eager's own graph)."""
@@ -123,6 +134,11 @@ def test_cuda_graph_replay_matches_uncaptured_calls(monkeypatch) -> None:
             assert torch.equal(g, p)
             assert _rel(g, model(*x)) < 1e-2
         assert not torch.equal(graphed[0], graphed[1])
+    hybrid = tkopt.compile(model, first, inductor=True)  # inductor for the rest, inside the same CUDA graph
+    with torch.no_grad():
+        for x in calls:
+            assert _rel(hybrid(*x), model(*x)) < 1e-2
+        assert hybrid.uncaptured_reason is None
     fast.cuda_graphs = True
     out = fast(*first)  # autograd on and the weights require grad: no graph (it would drop autograd)
     assert fast.uncaptured_reason is not None and "autograd" in fast.uncaptured_reason

@@ -42,6 +42,7 @@ class Specialization:
     """One exported-and-optimized program and the inputs it accepts."""
 
     module: fx.GraphModule
+    run: Any  # what calls go to: `module`, or inductor's compilation of it
     report: Report
     in_spec: pytree.TreeSpec
     inputs: list[Any]  # per flat input: its placeholder's example value (FakeTensor) or the constant
@@ -101,12 +102,14 @@ def _export(module: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torc
 class CompiledModule(nn.Module):
     """Calls the optimized program matching the inputs; exports and optimizes a new one if none does."""
 
-    def __init__(self, module: nn.Module, disable: Iterable[str], dynamic: bool, cuda_graphs: bool) -> None:
+    def __init__(self, module: nn.Module, disable: Iterable[str], dynamic: bool, cuda_graphs: bool,
+                 inductor: bool) -> None:
         super().__init__()
         self.module = module  # the eager original: what every new specialization is exported from
         self.disable = tuple(disable)
         self.dynamic = dynamic
         self.cuda_graphs = cuda_graphs
+        self.inductor = inductor
         self.graphs = GraphCache()
         self.uncaptured_reason: str | None = None  # why the latest call ran without a CUDA graph
         self.specializations: list[Specialization] = []
@@ -131,7 +134,10 @@ class CompiledModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         examples = [node_val(p) if isinstance(x, torch.Tensor) else x for p, x in zip(placeholders, flat, strict=True)]
         ranges = ep.range_constraints if self.dynamic else {}
-        entry = Specialization(gm, report, spec, examples, ranges)
+        # Inductor on the rest: it fuses the elementwise ops tkopt leaves (RoPE, casts, masks) and calls
+        # the tkopt:: ops as extern kernels, through their fake impls while tracing.
+        run = torch.compile(gm, fullgraph=True, dynamic=self.dynamic) if self.inductor else gm
+        entry = Specialization(gm, run, report, spec, examples, ranges)
         self.specializations.append(entry)
         if len(self.specializations) > 1:
             log.info("tkopt.compile: optimized specialization %d for a new input signature", len(self.specializations))
@@ -146,8 +152,8 @@ class CompiledModule(nn.Module):
         entry = self.specializations[index]
         self.uncaptured_reason = capturable(flat, entry.module) if self.cuda_graphs else "cuda_graphs=False"
         if self.uncaptured_reason is not None:
-            return entry.module(*args, **kwargs)
-        return self.graphs((index, signature(flat)), entry.module, flat, spec)
+            return entry.run(*args, **kwargs)
+        return self.graphs((index, signature(flat)), entry.run, flat, spec)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -157,14 +163,17 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     disable: Iterable[str] = (),
     dynamic: bool = True,
     cuda_graphs: bool = True,
+    inductor: bool = False,
 ) -> CompiledModule:
     """Export `module` with `example_inputs`, fuse, and return a module with the same call signature.
 
     `disable` names passes to skip (tkopt.passes.pipeline.pass_names()). The result has
     `.tkopt_report` (what the passes did) and `.graph_module` (the optimized fx.GraphModule).
     `cuda_graphs` replays CUDA calls without autograd as CUDA graphs (see the module docstring).
+    `inductor` compiles what tkopt left unfused with torch.compile's inductor (the fused nodes stay
+    tkopt's kernels); it costs inductor's compile time per specialization.
     """
-    compiled = CompiledModule(module, disable, dynamic, cuda_graphs)
+    compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor)
     args = tuple(example_inputs)
     compiled.specialize(args, {})
     return compiled
