@@ -163,12 +163,17 @@ def phase_measure(out_dir: str):
                 torch.cuda.synchronize()
                 warm[f"{kind}_{arch}_sum{int(ws)}"] = time.perf_counter() - t0
                 yy = got[0] if ws else got
-                ref = (add_layer_norm_ref(x[:512], r[:512], w, b) if kind == "layer"
-                       else add_rms_norm_ref(x[:512], r[:512], w))[0]
+                ref, ref_s = (add_layer_norm_ref(x[:512], r[:512], w, b) if kind == "layer"
+                              else add_rms_norm_ref(x[:512], r[:512], w))
                 err = ((yy[:512].float() - ref.float()).norm() / ref.float().norm()).item()
                 warm[f"{kind}_{arch}_sum{int(ws)}_relerr"] = err
                 if not err < 1e-2:
                     print(f"NUMERICS FAIL {kind} {arch} rel err {err}")
+                if ws:  # the sum (stored from its own loop since the 128-bit store fix): whole tensor, exact
+                    serr = ((got[1].float() - (x + r).float()).norm() / (x + r).float().norm()).item()
+                    warm[f"{kind}_{arch}_sum1_sum_relerr"] = serr
+                    if not serr < 1e-3 or not torch.equal(got[1][:512], ref_s.to(x.dtype)):
+                        print(f"NUMERICS FAIL {kind} {arch} sum rel err {serr}")
     log["first_call_s (warm load + pick_config tuning)"] = warm
     print("first call (disk-cache load + tuning) s:", {k: round(v, 2) for k, v in warm.items()})
 

@@ -1,5 +1,6 @@
 """add + LayerNorm / RMSNorm and plain norms: CPU numerics vs reference, errors, nvcc builds, GPU numerics."""
 
+import re
 import shutil
 
 import pytest
@@ -128,7 +129,21 @@ NVCC_CASES = {
     # odd hidden size, bf16 with fp32 weight, rows+cols guarded, no sum
     "rms_1000_bf16": dict(kind="rms", n=1000, dtype="bfloat16", w_dtype="float32", has_residual=True,
                           has_weight=True, has_bias=False, write_sum=False, eps=1e-6),
+    # guarded (rows + cols) with the sum written
+    "ln_1000_bf16_sum": dict(kind="layer", n=1000, dtype="bfloat16", w_dtype="float32", has_residual=True,
+                             has_weight=True, has_bias=True, write_sum=True, eps=1e-5),
 }
+
+
+def _global_access_widths(src: str) -> dict[str, set[str]]:
+    """{buffer: access kinds} of the global buffers X, R, W, B, Y, S in lowered CUDA source: the vector type of
+    `*(uint4*)(Y + ...)`-style accesses, "scalar" for element accesses `Y[...]`."""
+    out: dict[str, set[str]] = {}
+    for ty, buf in re.findall(r"\*\((\w+)\*\)\(([XRWBYS]) \+", src):
+        out.setdefault(buf, set()).add(ty)
+    for buf in re.findall(r"(?<![\w.])([XRWBYS])\[", src):
+        out.setdefault(buf, set()).add("scalar")
+    return out
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm80"])
@@ -138,10 +153,25 @@ def test_nvcc_compiles(name, arch):
     elem = 4 if p["dtype"] == "float32" else 2
     func = norm_program_gpu(**p, **default_norm_config(p["n"], elem, arch))
     src = lower_cuda(func, arch)
-    if name == "ln_4096_fp16":
-        assert "uint4" in src  # 128-bit loads
+    widths = _global_access_widths(src)
+    if name == "ln_4096_fp16":  # every global access 128-bit, the sum's stores too (they were 64-bit)
+        assert widths == {b: {"uint4"} for b in "XRWBYS"}, widths
+    if name == "ln_1000_bf16_sum":  # guarded: x, r and the sum still 128-bit
+        assert widths["S"] == widths["X"] == widths["R"] == {"uint4"}, widths
     build = cuda_compile(src, arch)
     assert build.spills and max(build.spills) == 0, build.log[-2000:]
+
+
+@pytest.mark.parametrize("kind,write_sum", [("layer", False), ("rms", True), ("rms", False)])
+def test_lowered_accesses_128bit(kind, write_sum):
+    """fp16 n=4096 (the benchmark shape), sm90: x, r, w, b read and y (and the sum) written with 128-bit accesses
+    only (add+LN with the sum: test_nvcc_compiles). One loop storing both y and the sum made them 64-bit."""
+    func = norm_program_gpu(kind, 4096, "float16", "float16", has_residual=True, has_weight=True,
+                            has_bias=kind == "layer", write_sum=write_sum, eps=1e-5,
+                            **default_norm_config(4096, 2, "sm90"))
+    bufs = "XRW" + ("B" if kind == "layer" else "") + "Y" + ("S" if write_sum else "")
+    widths = _global_access_widths(lower_cuda(func, "sm90"))
+    assert widths == {b: {"uint4"} for b in bufs}, widths
 
 
 def test_wrapper_compile_path_builds_without_gpu():
