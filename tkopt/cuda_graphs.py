@@ -48,10 +48,12 @@ def capturable(flat: Sequence[Any], module: torch.nn.Module) -> str | None:
 class CapturedCall:
     """One CUDA graph of `fn` on static copies of one call's inputs."""
 
-    def __init__(self, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec) -> None:
+    def __init__(self, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec,
+                 in_place: Callable[[torch.Tensor], bool] = lambda t: False) -> None:
         # clone() keeps each input's strides (dense ones; expanded inputs become dense, which the
-        # static copy_ below handles), so the captured kernels see the caller's layout.
-        self.static = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat]
+        # static copy_ below handles), so the captured kernels see the caller's layout. Inputs that
+        # `in_place` accepts (parameters passed as inputs) are captured where they are, not copied.
+        self.static = [x if not isinstance(x, torch.Tensor) or in_place(x) else x.clone() for x in flat]
         args, kwargs = pytree.tree_unflatten(self.static, spec)
         side = torch.cuda.Stream(device=self.static_device())
         side.wait_stream(torch.cuda.current_stream(side.device))
@@ -83,11 +85,12 @@ class GraphCache:
         self.limit = limit
         self.graphs: OrderedDict[Hashable, CapturedCall | str] = OrderedDict()
 
-    def __call__(self, key: Hashable, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec) -> Any:
+    def __call__(self, key: Hashable, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec,
+                 in_place: Callable[[torch.Tensor], bool] = lambda t: False) -> Any:
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = CapturedCall(fn, flat, spec)
+                entry = CapturedCall(fn, flat, spec, in_place)
             except Exception as e:  # noqa: BLE001 - any capture failure means: run this signature uncaptured
                 entry = f"{type(e).__name__}: {e}"
                 warnings.warn(f"tkopt: CUDA graph capture failed, running uncaptured for this input signature: "
