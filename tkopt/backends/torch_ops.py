@@ -110,6 +110,42 @@ def _(
     return _empty(X, shape), _empty(X, shape)
 
 
+# ---- Autograd: each op's backward differentiates its torch reference (tkopt.fused_ops) ----------
+def _register_backward(custom_op: Any, op: str, n_tensors: int, attr_names: tuple[str, ...]) -> None:
+    """Backward by recomputation: the reference, re-run under autograd on the saved inputs, gives the
+    input gradients. Correct for every op and dtype the reference takes; not a fused backward kernel."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        tensors = inputs[:n_tensors]
+        ctx.present = [t is not None for t in tensors]
+        ctx.save_for_backward(*[t for t in tensors if t is not None])
+        ctx.attrs = dict(zip(attr_names, inputs[n_tensors:], strict=True))
+
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        saved = iter(ctx.saved_tensors)
+        ins = [next(saved).detach() if present else None for present in ctx.present]
+        wants = [t is not None and t.is_floating_point() and need
+                 for t, need in zip(ins, ctx.needs_input_grad[:n_tensors], strict=True)]
+        for t, want in zip(ins, wants, strict=True):
+            if want:
+                t.requires_grad_(True)
+        with torch.enable_grad():
+            outs = fused_ops.run_reference(op, ins, ctx.attrs)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if g is not None and o.requires_grad]
+        leaves = [t for t, want in zip(ins, wants, strict=True) if want]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+                   if pairs and leaves else [None] * len(leaves))
+        return (*[next(got) if want else None for want in wants], *[None] * len(attr_names))
+
+    custom_op.register_autograd(backward, setup_context=setup_context)
+
+
+_register_backward(fused_gemm, "FusedGemm", 4, ("trans_b", "activation"))
+_register_backward(fused_gated_mlp, "FusedGatedMLP", 5, ("trans_b", "activation"))
+_register_backward(fused_attention, "FusedAttention", 4, ("scale", "causal", "layout"))
+_register_backward(fused_add_norm, "FusedAddNorm", 4, ("kind", "epsilon"))
+
+
 # fused op name (tkopt.fused_ops) -> (custom op, its attribute names in signature order)
 CUSTOM_OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "FusedGemm": (torch.ops.tkopt.fused_gemm.default, ("trans_b", "activation")),
