@@ -8,8 +8,8 @@ kernel and moving it back: the result is then a permuted view of a contiguous bu
 Program builders (dynamic row count m = T.dynamic("m"), signature (X, Y), both (m, n) in dtype):
     softmax_program_gpu(n, dtype, *, block_rows, threads_per_row)   # row resident in registers
     softmax_program_cpu(n, dtype)
-GPU: same template as the norms (kernels/norm.py): 128-bit loads, fp32 max / exp / sum from registers, one
-read and one write per element; n up to norm.MAX_N_GPU.
+GPU: same template and register layout (norm.row_fragment) as the norms (kernels/norm.py): 128-bit loads, fp32
+max / exp / sum from registers, one read and one write per element; n up to norm.MAX_N_GPU.
 """
 
 import torch
@@ -26,6 +26,7 @@ from .norm import (
     default_norm_config,
     in_bounds,
     norm_candidates,
+    row_fragment,
     tl_dtype,
 )
 from .tuning import median_ms
@@ -53,6 +54,9 @@ def softmax_program_gpu(n: int, dtype: str, *, block_rows: int, threads_per_row:
             s = T.alloc_fragment((block_rows, np_), acc)
             mx = T.alloc_fragment((block_rows,), acc)
             sm = T.alloc_fragment((block_rows,), acc)
+            # row i on threads [i*tpr, (i+1)*tpr), np_/tpr registers each (inference alone can replicate rows:
+            # see norm.row_fragment)
+            T.annotate_layout({s: row_fragment(block_rows, np_, vec, threads_per_row)})
             for i, j in T.Parallel(block_rows, np_):
                 row = bx * block_rows + i
                 if col_guard or row_guard:
