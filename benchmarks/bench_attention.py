@@ -1,14 +1,18 @@
 """Benchmark flash_attention (sm90 and forced sm80) against torch SDPA, same run, same inputs.
 
 Usage (on the GPU): python benchmarks/bench_attention.py [--prewarm N [--prewarm-only]] [--out DIR] [--quick]
-(device run: see benchmarks/results/attention.md for the exact command; run the GPU tests with
+(device run: see benchmarks/results/attention.md for the exact command; `--prewarm N` compiles this
+benchmark's kernels with N processes first, `--prewarm N --prewarm-only` also the GPU tests' kernels; run
+the GPU tests with
 `python -m pytest --import-mode=append -m gpu tests/kernels/test_attention.py` so that the repo-root
 `tkopt/` package does not shadow the shim that maps `tkopt.kernels` to `kernels/`).
 Prints a table: shape, causal, ms and TFLOP/s for SDPA and ours, ratio ours/SDPA (speed, >1 is faster).
 FLOPs: 4 * B * Hq * Sq * Skv * D (two GEMMs), halved for causal (Sq == Skv).
 Also: cold compile time (fresh TileLang cache dir, one key) and warm load (disk cache, fresh process).
 Tuning: TKOPT_AUTOTUNE=1 makes pick_config time the candidates in kernels/attention.py TUNE_CANDIDATES
-(for the headline shapes only, to stay inside the device budget).
+(for the headline and d64 shapes only, to stay inside the device budget); every candidate's timing goes to
+the log and to bench_attention.json ("tuning"). The rows "sm90 pipelined" / "sm90 plain" run the headline
+shapes with the sm90 default config forced to each loop schedule (`pipelined` True / False).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def run_case(name, b, hq, hkv, s, d, causal, arch, dtype=torch.float16, tune=True, do_sdpa=True):
+def run_case(name, b, hq, hkv, s, d, causal, arch, dtype=torch.float16, tune=True, do_sdpa=True, config=None):
     from tkopt.kernels import attention as A
 
     torch.manual_seed(0)
@@ -55,7 +59,7 @@ def run_case(name, b, hq, hkv, s, d, causal, arch, dtype=torch.float16, tune=Tru
     os.environ["TKOPT_AUTOTUNE"] = "1" if tune else "0"
     t0 = time.perf_counter()
     q, k, v = sets[0]
-    A.flash_attention(q, k, v, causal=causal, out=out, arch=arch)  # compile / load / tune
+    A.flash_attention(q, k, v, causal=causal, out=out, arch=arch, config=config)  # compile / load / tune
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     gqa = hq != hkv
@@ -66,7 +70,7 @@ def run_case(name, b, hq, hkv, s, d, causal, arch, dtype=torch.float16, tune=Tru
     def ours():
         q, k, v = sets[it[0] % n_sets]
         it[0] += 1
-        A.flash_attention(q, k, v, causal=causal, out=out, arch=arch)
+        A.flash_attention(q, k, v, causal=causal, out=out, arch=arch, config=config)
 
     def sdpa():
         q, k, v = sets[it[0] % n_sets]
@@ -131,40 +135,57 @@ def _warm_one(spec):
         return spec, time.perf_counter() - t, traceback.format_exc()[-800:]
 
 
-def warm_specs():
-    """Every kernel the GPU tests and this benchmark use (so one parallel pass fills TileLang's disk cache)."""
-    sys.path.insert(0, "tests/kernels")
-    import test_attention as TA
+def schedule_config(pipelined: bool, d: int = 128) -> dict:
+    """The sm90 default tile config with the loop schedule forced (the "sm90 pipelined" / "sm90 plain" rows)."""
+    from tkopt.kernels import attention as A
 
+    return {**A.DEFAULT_CONFIGS[("sm90", d)], "pipelined": pipelined}
+
+
+def warm_specs(tests: bool = True):
+    """Every kernel this benchmark uses, and with `tests` those of the GPU tests too (so one parallel pass
+    fills TileLang's disk cache)."""
     from tkopt.kernels import attention as A
 
     specs = []
-    for arch in TA.GPU_ARCHS:
-        for dtype in TA.GPU_DTYPES:
-            for case, (b, hq, hkv, _sq, _skv, d, causal, layout, mk) in TA.GPU_CASES.items():
-                if not TA.gpu_case_enabled(dtype, case):
-                    continue
-                specs.append((arch, str(dtype).split(".")[-1], b, hq, hkv, d, causal, layout, mk, None))
-    specs.append(("sm90", "float16", 1, 4, 4, 64, False, "bhsd", None, None))  # dynamic-lengths test
+    if tests:
+        sys.path.insert(0, "tests/kernels")
+        import test_attention as TA
+
+        for variant in TA.GPU_VARIANTS:
+            for dtype in TA.GPU_DTYPES:
+                for case, (b, hq, hkv, _sq, _skv, d, causal, layout, mk) in TA.GPU_CASES.items():
+                    if not TA.gpu_case_enabled(dtype, case, variant):
+                        continue
+                    arch, cfg = TA.gpu_variant_config(variant, dtype, d)
+                    specs.append((arch, str(dtype).split(".")[-1], b, hq, hkv, d, causal, layout, mk, cfg))
+        specs.append(("sm90", "float16", 1, 4, 4, 64, False, "bhsd", None, None))  # dynamic-lengths test
     for causal in (False, True):
-        for cfg in A.TUNE_CANDIDATES["sm90"]:
-            specs.append(("sm90", "float16", 1, 16, 16, 128, causal, "bhsd", None, dict(cfg)))
-        specs.append(("sm90", "float16", 1, 16, 16, 64, causal, "bhsd", None, None))
+        for d in (128, 64):
+            for cfg in A.tune_candidates("sm90", d):
+                specs.append(("sm90", "float16", 1, 16, 16, d, causal, "bhsd", None, dict(cfg)))
+            specs.append(("sm90", "float16", 1, 16, 16, d, causal, "bhsd", None, None))
+        for pipelined in (True, False):
+            specs.append(("sm90", "float16", 1, 16, 16, 128, causal, "bhsd", None, schedule_config(pipelined)))
         specs.append(("sm90", "float16", 1, 32, 8, 128, causal, "bhsd", None, None))
         specs.append(("sm80", "float16", 1, 16, 16, 128, causal, "bhsd", None, None))
     seen, out = set(), []
     for s_ in specs:
-        key = json.dumps(s_, default=str)
+        # A None config compiles the default one: the same kernel as that config given explicitly.
+        arch, dtype, b, hq, hkv, d, causal, layout, mk, cfg = s_
+        if cfg is None and dtype != "float32":
+            cfg = dict(A.DEFAULT_CONFIGS[(arch, d)])
+        key = json.dumps((arch, dtype, b, hq, hkv, d, causal, layout, mk, sorted((cfg or {}).items())), default=str)
         if key not in seen:
             seen.add(key)
             out.append(s_)
     return out
 
 
-def prewarm(workers: int):
+def prewarm(workers: int, tests: bool = True):
     import multiprocessing as mp
 
-    specs = warm_specs()
+    specs = warm_specs(tests)
     t = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
         res = pool.map(_warm_one, specs, chunksize=1)
@@ -178,44 +199,24 @@ def prewarm(workers: int):
     return dict(n=len(specs), wall_s=wall, median_s=times[len(times) // 2], max_s=times[-1], failed=len(fails))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-tune", action="store_true")
-    ap.add_argument("--prewarm", type=int, default=0, help="compile every kernel first with N processes")
-    ap.add_argument("--prewarm-only", action="store_true")
-    args = ap.parse_args()
-    if args.prewarm:
-        prewarm(args.prewarm)
-        if args.prewarm_only:
-            return
-    torch.backends.cuda.matmul.allow_tf32 = False
-    dev = torch.cuda.get_device_name()
-    print(f"device: {dev}, torch {torch.__version__}")
-    tune = not args.no_tune
-    cases = [
-        ("headline", 8, 16, 16, 2048, 128, False, "sm90", tune),
-        ("headline", 8, 16, 16, 2048, 128, True, "sm90", tune),
-        ("d64", 8, 16, 16, 2048, 64, False, "sm90", False),
-        ("d64", 8, 16, 16, 2048, 64, True, "sm90", False),
-        ("gqa", 8, 32, 8, 2048, 128, False, "sm90", False),
-        ("gqa", 8, 32, 8, 2048, 128, True, "sm90", False),
-        ("sm80-on-h200", 8, 16, 16, 2048, 128, False, "sm80", False),
-        ("sm80-on-h200", 8, 16, 16, 2048, 128, True, "sm80", False),
-    ]
-    if args.quick:
-        cases = cases[:2]
-    rows = []
-    for name, b, hq, hkv, s, d, causal, arch, tn in cases:
+def tuning_records():
+    """The flash_attention tuning records in the tuning cache ({key: {config, ms, timings}}), per arch."""
+    import glob
+
+    from tkopt.kernels.tuning import cache_dir
+
+    recs = {}
+    for path in sorted(glob.glob(os.path.join(cache_dir(), "tune-flash_attention-*.json"))):
         try:
-            row = run_case(name, b, hq, hkv, s, d, causal, arch, tune=tn)
-        except Exception as e:  # report and continue: one failure must not lose the other numbers
-            row = dict(name=name, arch=arch, B=b, Hq=hq, Hkv=hkv, S=s, D=d, causal=causal, error=repr(e)[-400:])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    cw = cold_and_warm(os.path.join(args.out or "/tmp", "tl_cache_coldwarm"))
-    print(json.dumps(cw))
+            with open(path) as f:
+                recs[os.path.basename(path)] = json.load(f)
+        except (OSError, ValueError) as e:
+            recs[os.path.basename(path)] = repr(e)
+    return recs
+
+
+def write_outputs(out_dir, dev, rows, cw, tuning) -> str:
+    """The markdown table (and, with out_dir, bench_attention.md / .json written there)."""
     lines = [
         "| case | arch | B,Hq,Hkv,S,D | causal | SDPA ms | SDPA TFLOP/s | ours ms | ours TFLOP/s | ours/SDPA | "
         "rel err | first call s |",
@@ -234,13 +235,66 @@ def main():
     lines.append(f"\ncold compile (new process, empty TileLang cache, 1 kernel): {cw.get('cold_compile_s')} s; "
                  f"warm load (new process, disk cache): {cw.get('warm_load_s')} s")  # fmt: skip
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-            json.dump(dict(device=dev, rows=rows, cold_warm=cw), f, indent=1)
-        with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+            json.dump(dict(device=dev, rows=rows, cold_warm=cw, tuning=tuning), f, indent=1)
+        with open(os.path.join(out_dir, "bench_attention.md"), "w") as f:
             f.write(table + "\n")
+    return table
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--prewarm", type=int, default=0, help="compile every kernel first with N processes")
+    ap.add_argument("--prewarm-only", action="store_true")
+    args = ap.parse_args()
+    if args.prewarm:
+        prewarm(args.prewarm, tests=args.prewarm_only)
+        if args.prewarm_only:
+            return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}, torch {torch.__version__}")
+    tune = not args.no_tune
+    cases = [
+        ("headline", 8, 16, 16, 2048, 128, False, "sm90", tune),
+        ("headline", 8, 16, 16, 2048, 128, True, "sm90", tune),
+        ("d64", 8, 16, 16, 2048, 64, False, "sm90", tune),
+        ("d64", 8, 16, 16, 2048, 64, True, "sm90", tune),
+        ("gqa", 8, 32, 8, 2048, 128, False, "sm90", False),
+        ("gqa", 8, 32, 8, 2048, 128, True, "sm90", False),
+        ("sm80-on-h200", 8, 16, 16, 2048, 128, False, "sm80", False),
+        ("sm80-on-h200", 8, 16, 16, 2048, 128, True, "sm80", False),
+    ]
+    cases = [c + (None,) for c in cases]
+    schedules = [  # the two loop schedules on the headline, same tile config (right after it: the main question)
+        ("sm90 pipelined" if p else "sm90 plain", 8, 16, 16, 2048, 128, causal, "sm90", False, schedule_config(p))
+        for causal in (False, True)
+        for p in (True, False)
+    ]
+    cases = cases[:2] + schedules + cases[2:]
+    if args.quick:
+        cases = cases[:2]
+    rows = []
+    for name, b, hq, hkv, s, d, causal, arch, tn, cfg in cases:
+        try:
+            row = run_case(name, b, hq, hkv, s, d, causal, arch, tune=tn, config=cfg)
+        except Exception as e:  # report and continue: one failure must not lose the other numbers
+            row = dict(name=name, arch=arch, B=b, Hq=hq, Hkv=hkv, S=s, D=d, causal=causal, error=repr(e)[-400:])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    tuning = tuning_records()
+    print(json.dumps(dict(tuning=tuning)), flush=True)
+    # Written once before the (slow) cold/warm compile measurement and again after it, so that a run cut
+    # short by a device time limit still leaves the table.
+    write_outputs(args.out, dev, rows, {}, tuning)
+    cw = cold_and_warm(os.path.join(args.out or "/tmp", "tl_cache_coldwarm"))
+    print(json.dumps(cw))
+    print(write_outputs(args.out, dev, rows, cw, tuning))
 
 
 if __name__ == "__main__":

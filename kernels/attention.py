@@ -3,11 +3,14 @@
 Semantics are exactly `reference.flash_attention_ref`. One public entry point, `flash_attention`, and
 two public program builders that another engineer lowers to C / CUDA source:
 
-- `gpu_program(arch, ...)`: the sm90 (wgmma via T.gemm, TMA loads, T.Pipelined; TileLang's
-  producer/consumer warp specialization applies automatically to the TMA pipeline) and sm80 (mma.sync,
-  cp.async; num_stages=1, see DEFAULT_CONFIGS) variants. Same template; they differ in target, pass
-  configs and tile config. Forced sm80 on a Hopper GPU is built for sm_90 with wgmma/TMA off.
-  fp32 inputs run on tensor cores as tf32 (P goes through shared memory); not yet checked on a GPU.
+- `gpu_program(arch, ...)`: the sm90 (wgmma, TMA loads, T.Pipelined; TileLang's producer/consumer
+  warp specialization applies automatically to the TMA pipeline) and sm80 (mma.sync, cp.async;
+  num_stages=1, see DEFAULT_CONFIGS) variants. Same template; they differ in target, pass configs and
+  tile config. Forced sm80 on a Hopper GPU is built for sm_90 with wgmma/TMA off. Two loop schedules
+  (config key `pipelined`): plain (QK^T, softmax, PV in sequence; T.gemm waits for each wgmma) and, sm90
+  fp16/bf16 only, pipelined (FlashAttention-3's overlap of block t's softmax with PV of block t-1, with
+  explicitly async wgmma). fp32 inputs run on tensor cores as tf32 (P goes through shared memory; plain
+  schedule only); not yet checked on a GPU.
 - `cpu_program(...)`: the C-backend variant (serial, one query row per program, blocked online softmax).
 
 Compile-time keys (all hashable; see the builders' docstrings): dtype, head dim, query heads, kv heads,
@@ -43,9 +46,15 @@ _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float
 _CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
 # Default tile configs per arch; fp32 (tf32 tensor-core math) uses FP32_CONFIG, smaller tiles.
+# `pipelined` (sm90 only): FlashAttention-3's overlap of one block's softmax with the next block's wgmma
+# GEMMs (see gpu_program). TileLang 0.1.15 has no `group=` for T.Pipelined, and its automatic warp
+# specialization (which the TMA loads need) drops a loop's order=/stage= annotations; order/stage without
+# warp specialization turn the loads into cp.async plus __syncthreads (checked on the lowered source). So
+# the schedule is written out by hand: async T.wgmma_gemm + T.wait_wgmma inside the warp-specialized loop.
+# The plain schedule stays a tuning candidate: which one wins is only known on the device.
 DEFAULT_CONFIGS = {
-    ("sm90", 64): dict(block_M=128, block_N=128, num_stages=2, threads=256),
-    ("sm90", 128): dict(block_M=128, block_N=128, num_stages=2, threads=256),
+    ("sm90", 64): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
+    ("sm90", 128): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
     # sm80: 128 threads with block_M=128, D=128 spill (255 regs + 128 B spills per ptxas): use 256.
     # num_stages=1: TileLang 0.1.15 cannot generate code for a deeper cp.async pipeline over a dynamic
     # trip count (its epilogue's ptx_wait_group count is not a constant: "Downcast from tirx.Sub to
@@ -59,13 +68,22 @@ CPU_BLOCK_N = 32
 _CONFIG_MEMO: dict[tuple, dict] = {}  # (arch, key, size bucket) -> config, so warm calls skip pick_config
 last_config: dict[str, dict] = {}  # the GPU config used by the latest call, per arch (for benchmarks)
 
-# Small tuning space, timed by tuning.pick_config (TKOPT_AUTOTUNE unset or 1) for fp16/bf16.
+# Small tuning spaces, timed by tuning.pick_config (TKOPT_AUTOTUNE unset or 1) for fp16/bf16: per arch,
+# or per (arch, head dim) where that key exists. Kept small: each candidate is a compile on the device.
+# sm90 D=128 (H200, plain schedule, 2026-11-30): 128x128 stages 2 won non-causal, stages 1 causal by
+# 1.5%; 128x64 and 64x128 (threads 128) lost by 10-45% and were dropped. 128x176 is FA3's non-causal
+# tile for D=128 (smem 32 + 2*2*44 KB; O_shared reuses Q_shared's bytes), 192x128 with 3 consumer
+# warpgroups (TileLang lowers their register budget to 160, no spills) its tile for D=64.
 TUNE_CANDIDATES = {
     "sm90": [
-        dict(block_M=128, block_N=128, num_stages=2, threads=256),
-        dict(block_M=128, block_N=64, num_stages=2, threads=256),
-        dict(block_M=128, block_N=128, num_stages=1, threads=256),
-        dict(block_M=64, block_N=128, num_stages=2, threads=128),
+        dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
+        dict(block_M=128, block_N=176, num_stages=2, threads=256, pipelined=True),
+        dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=False),
+    ],
+    ("sm90", 64): [
+        dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
+        dict(block_M=192, block_N=128, num_stages=2, threads=384, pipelined=True),
+        dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=False),
     ],
     "sm80": [
         dict(block_M=128, block_N=64, num_stages=1, threads=256),
@@ -73,6 +91,16 @@ TUNE_CANDIDATES = {
         dict(block_M=64, block_N=64, num_stages=1, threads=128),
     ],
 }
+
+
+def tune_candidates(arch: str, dim: int, masked: bool = False) -> list[dict]:
+    """The tuning candidates for `arch` at head dim `dim`. With a mask, tiles larger than 128x128 are left
+    out: their pipelined kernels spill hundreds of bytes (ptxas: 128x176 bool mask 972 B, 192x128 728 B;
+    128x128 spills 0-16 B with a mask, 0 without; tiles larger than 128x128 spill nothing without one)."""
+    cands = TUNE_CANDIDATES.get((arch, dim), TUNE_CANDIDATES[arch])
+    if masked:
+        cands = [c for c in cands if c["block_M"] * c["block_N"] <= 128 * 128]
+    return cands
 
 
 def _io_shape(layout: str, b, h, s, d) -> list:
@@ -100,13 +128,16 @@ def gpu_program(
     block_N: int = 128,
     num_stages: int = 2,
     threads: int = 256,
+    pipelined: bool = False,
 ):
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
     Parameters (Q, K, V[, Mask], Output); batch, seq_q, seq_kv are dynamic. `layouts` gives the layout
     of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask, nonzero keeps);
     `mask_bcast` marks which of the mask's (B, Hq, Sq, Skv) dims have size 1. `scale` defaults to
-    1/sqrt(dim). Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads.
+    1/sqrt(dim). Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and
+    `pipelined` (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below;
+    ignored for fp32, which keeps the plain schedule).
     """
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
@@ -123,19 +154,172 @@ def gpu_program(
     m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
     bb, bh, bq, bk = mask_bcast
-    # Without a mask the scale is folded into exp2 (one FMA per score); with one, scores are scaled
-    # explicitly to the log2 domain so that the additive mask is not scaled.
+    # Without a mask the scale is folded into exp2: exp2(s * scale*log2e - max * scale*log2e), with the row
+    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are scaled explicitly
+    # to the log2 domain first so that the additive mask is not scaled.
     s_log2 = scale * LOG2E
     ex_scale = 1.0 if has_mask else s_log2
     neg_inf = -T.infinity(accum)
     # fp32 (tf32 tensor-core math): P goes through shared memory; a float32 register fragment cannot be
     # reused as the A operand of the second GEMM (TileLang's layout inference rejects the fragment copy).
     fp32 = dtype == "float32"
+    # The pipelined schedule issues wgmma explicitly (T.wgmma_gemm), and tf32 wgmma needs K-major operands,
+    # which V (block_N x dim, the PV GEMM's B) is not: fp32 keeps the plain schedule (T.gemm picks mma).
+    pipelined = bool(pipelined) and not fp32
 
     def tile(buf, layout, b, h, s0, n):
         if layout == "bhsd":
             return buf[b, h, s0 : s0 + n, :]
         return buf[b, s0 : s0 + n, h, :]
+
+    @T.macro
+    def init_scores(acc_s, k, bx):
+        """Plain schedule: -inf where key k*block_N + j is out of range (or after the query, causal), 0
+        elsewhere; the QK^T GEMM accumulates onto it."""
+        if causal:
+            for i, j in T.Parallel(block_M, block_N):
+                q_idx = bx * block_M + i
+                k_idx = k * block_N + j
+                acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), 0, neg_inf)
+        else:
+            for i, j in T.Parallel(block_M, block_N):
+                acc_s[i, j] = T.if_then_else(k * block_N + j >= seq_kv, neg_inf, 0)
+
+    @T.macro
+    def mask_scores(acc_s, k, bx):
+        """Pipelined schedule (the GEMM cleared acc_s): the same -inf, applied after the GEMM and only on
+        the blocks that need it (the last one, past seq_kv; the ones crossing the diagonal, causal)."""
+        if causal:
+            if ((k + 1) * block_N > seq_kv) | ((k + 1) * block_N > bx * block_M + 1):
+                for i, j in T.Parallel(block_M, block_N):
+                    q_idx = bx * block_M + i
+                    k_idx = k * block_N + j
+                    acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), acc_s[i, j], neg_inf)
+        else:
+            if (k + 1) * block_N > seq_kv:
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.if_then_else(k * block_N + j >= seq_kv, neg_inf, acc_s[i, j])
+
+    @T.macro
+    def apply_mask(Mask, acc_s, k, bx, by, bz):
+        for i, j in T.Parallel(block_M, block_N):
+            q_idx = bx * block_M + i
+            k_idx = k * block_N + j
+            mb = 0 if bb else bz
+            mh = 0 if bh else by
+            mq = 0 if bq else T.min(q_idx, seq_q - 1)
+            mk = 0 if bk else T.min(k_idx, seq_kv - 1)
+            if mask_kind == "bool":
+                acc_s[i, j] = T.if_then_else(Mask[mb, mh, mq, mk] != T.uint8(0), acc_s[i, j] * s_log2, neg_inf)
+            else:
+                acc_s[i, j] = acc_s[i, j] * s_log2 + Mask[mb, mh, mq, mk] * LOG2E
+
+    @T.macro
+    def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
+        """Online softmax of one block: new running max, rescale factor, P = exp2(.) in place, row sums."""
+        T.copy(scores_max, scores_max_prev)
+        T.fill(scores_max, neg_inf)
+        T.reduce_max(acc_s, scores_max, dim=1, clear=False)
+        for i in T.Parallel(block_M):
+            scores_max[i] = T.max(scores_max[i], scores_max_prev[i])
+        if has_mask:
+            # A row with every key so far masked has max -inf: use 0 so exp2 gives 0, not NaN.
+            for i in T.Parallel(block_M):
+                scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+        for i in T.Parallel(block_M):
+            scores_scale[i] = T.exp2(scores_max_prev[i] * ex_scale - scores_max[i] * ex_scale)
+        for i, j in T.Parallel(block_M, block_N):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * ex_scale - scores_max[i] * ex_scale)
+        T.reduce_sum(acc_s, scores_sum, dim=1)
+        for i in T.Parallel(block_M):
+            logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
+
+    @T.macro
+    def rescale(acc_o, scores_scale):
+        for i, j in T.Parallel(block_M, dim):
+            acc_o[i, j] *= scores_scale[i]
+
+    @T.macro
+    def plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, loop_range, bx, by, bz):
+        """One K/V block per step, in order: QK^T, softmax, rescale, PV. Every T.gemm waits for its wgmma
+        at once, so each consumer warpgroup runs the softmax between its two GEMMs, unhidden. TileLang's
+        producer/consumer warp specialization overlaps the TMA loads (num_stages buffers) with all of it."""
+        scores_max, scores_max_prev, scores_scale, scores_sum, logsum = stats
+        hk = by // group
+        for k in T.Pipelined(loop_range, num_stages=num_stages):
+            T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
+            init_scores(acc_s, k, bx)
+            T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            if has_mask:
+                apply_mask(Mask, acc_s, k, bx, by, bz)
+            softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+            T.copy(acc_s, P_buf)
+            rescale(acc_o, scores_scale)
+            T.copy(tile(V, lv, bz, hk, k * block_N, block_N), V_shared)
+            T.gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def scores_of(acc_s, Mask, k, bx, by, bz):
+        mask_scores(acc_s, k, bx)
+        if has_mask:
+            apply_mask(Mask, acc_s, k, bx, by, bz)
+
+    @T.macro
+    def pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, n, bx, by, bz):
+        """FlashAttention-3's intra-warpgroup overlap: step t issues QK^T of block t, then PV of block t-1,
+        both as async wgmma (T.wgmma_gemm), waits for QK^T only (wgmma groups retire in issue order:
+        wait_wgmma(1) leaves the PV in flight), and runs the softmax of block t while the tensor cores do
+        PV(t-1); then waits for PV and writes P(t) (the registers PV(t-1) was reading). Steps t = 0..n:
+        t = 0 has no PV yet, t = n only the last PV. The three cases are separate straight-line branches:
+        ptxas must see that no path reads a wgmma's registers before its wait, or it serializes every
+        wgmma (ptxas info C7514/C7517; the CI test checks for that).
+
+        TMA loads and buffer recycling stay TileLang's automatic warp specialization (num_stages stages),
+        with the loads shifted to match: step t loads K block min(t, n-1) and V block max(t-1, 0) (one
+        redundant K and V load per CTA, the loads must not be conditional). The whole compute is one
+        statement (the if/elif/else), so the consumer waits for both loads before it and releases both
+        stage buffers after it, that is after the wgmma waits: the warp-specialization pass places a
+        release after the last statement touching the buffer, and cannot know a wgmma is still reading.
+        The rescale of O by the factor of block t-1 runs while QK^T(t) executes, before PV(t-1) is issued.
+        This is the schedule of TileLang's removed example_mha_fwd_bhsd_wgmma_pipelined.py, T.Pipelined
+        with MMA0 = QK^T, Softmax, Rescale, MMA1 = PV at order=[-1, 0, 3, 1, -1, 2], stage=[-1, 0, 0, 1, -1,
+        1] (step t: QK^T(t), Rescale(t-1), PV(t-1), Softmax(t)), which TileLang 0.1.15 cannot express
+        (see the comment at DEFAULT_CONFIGS); the loads here sit at the step that first needs them."""
+        scores_max, scores_max_prev, scores_scale, scores_sum, logsum = stats
+        hk = by // group
+        for t in T.Pipelined(n + 1, num_stages=num_stages):
+            kk = T.min(t, n - 1)
+            kv = T.max(t - 1, 0)
+            T.copy(tile(K, lk, bz, hk, kk * block_N, block_N), K_shared)
+            T.copy(tile(V, lv, bz, hk, kv * block_N, block_N), V_shared)
+            if t == 0:
+                T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True,
+                             policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
+                T.wait_wgmma(0)
+                scores_of(acc_s, Mask, t, bx, by, bz)
+                softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+                T.copy(acc_s, P_buf)
+            elif t < n:
+                T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True,
+                             policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
+                rescale(acc_o, scores_scale)
+                T.wgmma_gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(1)
+                scores_of(acc_s, Mask, t, bx, by, bz)
+                softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+                # Always true: a branch ptxas cannot see through (a warp vote), so that the PV wait starts a
+                # basic block after the softmax. Without it ptxas hoists the wait above the softmax (in the
+                # SASS, WARPGROUP.DEPBAR.LE gsb0, 0x0 came before every MUFU.EX2), silently undoing the
+                # overlap; the branch costs a uniform vote and jump per step. Checked by the CI test.
+                if T.activemask() != 0:
+                    T.wait_wgmma(0)
+                    T.copy(acc_s, P_buf)
+                else:
+                    T.wait_wgmma(0)
+            else:
+                rescale(acc_o, scores_scale)
+                T.wgmma_gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(0)
 
     @T.macro
     def body(Q, K, V, Mask, Output):
@@ -146,16 +330,16 @@ def gpu_program(
             O_shared = T.alloc_shared([block_M, dim], dtype)
             acc_s = T.alloc_fragment([block_M, block_N], accum)
             if fp32:
-                P_shared = T.alloc_shared([block_M, block_N], dtype)
+                P_buf = T.alloc_shared([block_M, block_N], dtype)
             else:
-                acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
+                P_buf = T.alloc_fragment([block_M, block_N], dtype)
             acc_o = T.alloc_fragment([block_M, dim], accum)
             scores_max = T.alloc_fragment([block_M], accum)
             scores_max_prev = T.alloc_fragment([block_M], accum)
             scores_scale = T.alloc_fragment([block_M], accum)
             scores_sum = T.alloc_fragment([block_M], accum)
             logsum = T.alloc_fragment([block_M], accum)
-            hk = by // group
+            stats = (scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
 
             T.copy(tile(Q, lq, bz, by, bx * block_M, block_M), Q_shared)
             T.fill(acc_o, 0)
@@ -167,61 +351,12 @@ def gpu_program(
             else:
                 loop_range = T.ceildiv(seq_kv, block_N)
 
-            for k in T.Pipelined(loop_range, num_stages=num_stages):
-                T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
-                if causal:
-                    for i, j in T.Parallel(block_M, block_N):
-                        q_idx = bx * block_M + i
-                        k_idx = k * block_N + j
-                        acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), 0, neg_inf)
-                else:
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.if_then_else(k * block_N + j >= seq_kv, neg_inf, 0)
-                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if has_mask:
-                    for i, j in T.Parallel(block_M, block_N):
-                        q_idx = bx * block_M + i
-                        k_idx = k * block_N + j
-                        mb = 0 if bb else bz
-                        mh = 0 if bh else by
-                        mq = 0 if bq else T.min(q_idx, seq_q - 1)
-                        mk = 0 if bk else T.min(k_idx, seq_kv - 1)
-                        if mask_kind == "bool":
-                            acc_s[i, j] = T.if_then_else(
-                                Mask[mb, mh, mq, mk] != T.uint8(0), acc_s[i, j] * s_log2, neg_inf
-                            )
-                        else:
-                            acc_s[i, j] = acc_s[i, j] * s_log2 + Mask[mb, mh, mq, mk] * LOG2E
-
-                T.copy(scores_max, scores_max_prev)
-                T.fill(scores_max, neg_inf)
-                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    scores_max[i] = T.max(scores_max[i], scores_max_prev[i])
-                if has_mask:
-                    # A row with every key so far masked has max -inf: use 0 so exp2 gives 0, not NaN.
-                    for i in T.Parallel(block_M):
-                        scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-                for i in T.Parallel(block_M):
-                    scores_scale[i] = T.exp2(scores_max_prev[i] * ex_scale - scores_max[i] * ex_scale)
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * ex_scale - scores_max[i] * ex_scale)
-                T.reduce_sum(acc_s, scores_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
-                if fp32:
-                    T.copy(acc_s, P_shared)
-                else:
-                    T.copy(acc_s, acc_s_cast)
-
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] *= scores_scale[i]
-
-                T.copy(tile(V, lv, bz, hk, k * block_N, block_N), V_shared)
-                if fp32:
-                    T.gemm(P_shared, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                else:
-                    T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            if pipelined:
+                pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask,
+                                loop_range, bx, by, bz)  # fmt: skip
+            else:
+                plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask,
+                           loop_range, bx, by, bz)  # fmt: skip
 
             if has_mask:
                 for i, j in T.Parallel(block_M, dim):
@@ -397,6 +532,8 @@ def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None =
     to run on `device` (the cache key: the sm80 variant is built per GPU arch)."""
     import tilelang
 
+    if arch != "sm90" and dict(config_items).get("pipelined"):
+        raise UnsupportedError(f"flash_attention: the pipelined schedule needs wgmma (sm90), not {arch}")
     func = gpu_program(*key, **dict(config_items))
     return tilelang.compile(func, target=run_target(arch, device), pass_configs=_pass_configs(arch, device))
 
@@ -419,7 +556,8 @@ def _pick_config(arch: str, key: tuple, dtype: str, dim: int, run_with) -> dict:
         from .tuning import pick_config
     except ImportError:  # tuning module not available: defaults only
         return default
-    return pick_config("flash_attention", arch, key, TUNE_CANDIDATES[arch], default, run_with)
+    masked = key[6] is not None  # gpu_program's mask_kind
+    return pick_config("flash_attention", arch, key, tune_candidates(arch, dim, masked), default, run_with)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
-"""flash_attention: CPU variant vs the float64 reference, input checks, CUDA lowering + nvcc (sm90, sm80)
-in CI, and GPU numerics (marked gpu) for sm90 / sm80 x fp16 / bf16 / fp32."""
+"""flash_attention: CPU variant vs the float64 reference, input checks, CUDA lowering + nvcc (sm90 both
+schedules, sm80) in CI, and GPU numerics (marked gpu) for sm90 (pipelined and plain) / sm80 x fp16 / bf16 /
+fp32."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import pytest
 import torch
@@ -174,20 +178,26 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ---------------------------------------------------------------------- CUDA lowering + nvcc (no GPU)
-# (arch, dtype, dim, heads_q, heads_kv, causal, layouts, mask_kind, mask_bcast)
+# (arch, dtype, dim, heads_q, heads_kv, causal, layouts, mask_kind, mask_bcast, config overrides)
+# sm90 defaults to the pipelined schedule; one case keeps the plain one (each case is ~10-25 s here).
 LOWER_CASES = {
-    "sm90-f16-d128-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bhsd",) * 4, None, (False,) * 4),
-    "sm90-bf16-d64-addmask-bshd": ("sm90", "bfloat16", 64, 4, 4, False, ("bshd",) * 4, "add",
-                                   (False, True, False, False)),
+    "sm90-f16-d128-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bhsd",) * 4, None, (False,) * 4, {}),
+    "sm90-bf16-d64-boolmask-mixed": ("sm90", "bfloat16", 64, 4, 2, False, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
+                                     (False, True, True, False), {}),
+    "sm90-plain-bf16-d64-addmask-bshd": ("sm90", "bfloat16", 64, 4, 4, False, ("bshd",) * 4, "add",
+                                         (False, True, False, False), {"pipelined": False}),
     "sm80-f16-d128-boolmask-gqa": ("sm80", "float16", 128, 8, 2, True, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
-                                   (False, True, True, False)),
+                                   (False, True, True, False), {}),
 }  # fmt: skip
 
 
+def _config(arch, dim, overrides):
+    return {**A.DEFAULT_CONFIGS[(arch, dim)], **overrides}
+
+
 def _lower(case):
-    arch, dtype, dim, hq, hkv, causal, layouts, mk, bc = case
-    cfg = A.DEFAULT_CONFIGS[(arch, dim)]
-    func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **cfg)
+    arch, dtype, dim, hq, hkv, causal, layouts, mk, bc, overrides = case
+    func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **_config(arch, dim, overrides))
     from tilelang import tvm
 
     with tvm.transform.PassContext(config=A._pass_configs(arch)):
@@ -201,15 +211,80 @@ def lowered():
 
 @pytest.mark.parametrize("name", list(LOWER_CASES))
 def test_cuda_lowers_and_nvcc_compiles(lowered, name):
-    arch = LOWER_CASES[name][0]
+    arch, dim, overrides = LOWER_CASES[name][0], LOWER_CASES[name][2], LOWER_CASES[name][-1]
     src = lowered[name]
     if arch == "sm90":
         assert "wgmma" in src and "tma_load" in src, "sm90 variant should use wgmma and TMA"
         assert "warpgroup_reg_alloc" in src, "sm90 variant should be warp specialized"
+        pipelined = _config(arch, dim, overrides).get("pipelined", False)
+        assert ("wait_wgmma<1>" in src) == pipelined, "only the pipelined schedule leaves a wgmma in flight"
     else:
         assert "cp_async" in src and "mma" in src and "wgmma" not in src
     build = cuda_compile(src, arch)
     assert build.registers and all(s == 0 for s in build.spills), build.log[-2000:]
+
+
+def _sass(cubin: str) -> str | None:
+    """SASS of a cubin via cuobjdump (None where it is not installed: not every CUDA install ships it)."""
+    import shutil
+    import subprocess
+
+    from tilelang.env import CUDA_HOME
+
+    tool = shutil.which("cuobjdump") or (os.path.join(CUDA_HOME, "bin", "cuobjdump") if CUDA_HOME else None)
+    if not tool or not os.path.exists(tool):
+        return None
+    proc = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+@pytest.mark.parametrize("name", [n for n, c in LOWER_CASES.items() if _config(c[0], c[2], c[-1]).get("pipelined")])
+def test_pipelined_schedule_overlaps_and_is_not_serialized(lowered, name):
+    """The pipelined schedule's invariants, on the lowered source, ptxas' report and (where cuobjdump is
+    installed) the SASS:
+
+    - the consumer releases its K/V stage (back-pressure mbarrier arrive) only after its last wgmma wait:
+      an async wgmma still reads K_shared / V_shared after it is issued, and TileLang's warp
+      specialization places the release after the last statement touching the buffer;
+    - ptxas keeps the wgmma asynchronous: C7514 ("wgmma.mma_async instructions are serialized") or C7517
+      ("warpgroup.wait is injected") mean a path reads a wgmma's registers before its wait;
+    - the softmax (exp2) sits between the wait for QK^T (wait_wgmma<1>) and the wait for PV, and that
+      wait is behind the warp-vote branch that keeps ptxas from hoisting it; in the SASS, MUFU.EX2 runs
+      between WARPGROUP.DEPBAR.LE gsb0, 0x1 and the next WARPGROUP.DEPBAR.LE gsb0, 0x0. Any of these
+      failing silently turns the overlap off (the kernel stays correct, just as slow as the plain one).
+    """
+    src = lowered[name]
+    consumer = src[src.index("warpgroup_reg_alloc") :]
+    releases = [m.start() for m in re.finditer(r"mbarrier\[[^\]]*\]\.arrive\(\)", consumer)]
+    waits = [m.start() for m in re.finditer(r"wait_wgmma<\d>", consumer)]
+    assert releases and waits and min(releases) > max(waits), "a K/V stage is released before its wgmma wait"
+    assert "wgmma_rs" in consumer and consumer.count("wait_wgmma<1>") == 1
+    w1 = consumer.index("wait_wgmma<1>")
+    vote = consumer.index("__activemask()", w1)
+    assert "exp2f" in consumer[w1:vote] and consumer.index("wait_wgmma<0>", w1) > vote
+    build = cuda_compile(src, "sm90")
+    assert not re.search(r"C751[47]", build.log), build.log[-3000:]
+    sass = _sass(build.cubin)
+    if sass is not None:
+        d1 = sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+        d0 = sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", d1)
+        assert sass.count("MUFU.EX2", d1, d0) >= 16, "ptxas hoisted the PV wait above the softmax"
+
+
+def test_schedule_configs():
+    """Both schedules are tuning candidates on sm90 (which wins is measured on the device); pipelined is
+    sm90-only."""
+    for dim in A.GPU_HEAD_DIMS:
+        cands = A.tune_candidates("sm90", dim)
+        assert {bool(c.get("pipelined")) for c in cands} == {True, False}
+        assert A.DEFAULT_CONFIGS[("sm90", dim)] in cands
+        assert not any(c.get("pipelined") for c in A.tune_candidates("sm80", dim))
+        masked = A.tune_candidates("sm90", dim, masked=True)
+        assert A.DEFAULT_CONFIGS[("sm90", dim)] in masked and all(c["block_M"] * c["block_N"] <= 128 * 128
+                                                                  for c in masked)  # fmt: skip
+    key = ("float16", 64, 4, 4, False, ("bhsd",) * 4, None, (False,) * 4, None)
+    with pytest.raises(UnsupportedError, match="pipelined schedule needs wgmma"):
+        A.compile_gpu("sm80", key, tuple(sorted({**A.DEFAULT_CONFIGS[("sm80", 64)], "pipelined": True}.items())))
 
 
 def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
@@ -230,7 +305,8 @@ def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
 
 
 # ---------------------------------------------------------------------------------- GPU numerics
-GPU_ARCHS = ["sm90", "sm80"]
+# variant -> (arch, config overrides): sm90 runs its default (pipelined) schedule and the plain one.
+GPU_VARIANTS = {"sm90": ("sm90", None), "sm90-plain": ("sm90", {"pipelined": False}), "sm80": ("sm80", None)}
 GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (B, Hq, Hkv, Sq, Skv, D, causal, layout, mask)
 GPU_CASES = {
@@ -242,13 +318,24 @@ GPU_CASES = {
 }
 
 
-def gpu_case_enabled(dtype, case):
-    """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one. Each is a compiled kernel."""
+def gpu_case_enabled(dtype, case, variant="sm90"):
+    """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one, and not for sm90-plain
+    (fp32 always runs the plain schedule). Each is a compiled kernel."""
+    if dtype == torch.float32 and variant == "sm90-plain":
+        return False
     if dtype == torch.float16:
         return True
     if dtype == torch.bfloat16:
         return case in ("d64-causal-gqa-odd", "d128-boolmask-bshd")
     return case == "d128"
+
+
+def gpu_variant_config(variant, dtype, dim):
+    """(arch, config for flash_attention: None = the default / heuristic one) of a GPU test variant."""
+    arch, overrides = GPU_VARIANTS[variant]
+    if overrides is None or dtype == torch.float32:
+        return arch, None
+    return arch, {**A.DEFAULT_CONFIGS[(arch, dim)], **overrides}
 
 
 def _gpu_mask(kind, b, hq, sq, skv):
@@ -264,19 +351,21 @@ def _gpu_mask(kind, b, hq, sq, skv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("arch", GPU_ARCHS)
-def test_gpu_matches_reference(arch, dtype, case):
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+def test_gpu_matches_reference(variant, dtype, case):
+    arch = GPU_VARIANTS[variant][0]
     major, _ = torch.cuda.get_device_capability()
     if arch == "sm90" and major != 9:
         pytest.skip("sm90 variant needs a Hopper GPU")
-    if not gpu_case_enabled(dtype, case):
+    if not gpu_case_enabled(dtype, case, variant):
         pytest.skip("dtype checked on a subset of cases (keeps device compile time down)")
     b, hq, hkv, sq, skv, d, causal, layout, mk = GPU_CASES[case]
+    _, config = gpu_variant_config(variant, dtype, d)
     torch.manual_seed(hash(case) % 1000)
     q, k, v = _qkv(b, hq, hkv, sq, skv, d, layout=layout, dtype=dtype, device="cuda")
     mask = _gpu_mask(mk, b, hq, sq, skv)
     out = torch.full_like(q, float("nan"))
-    flash_attention(q, k, v, causal=causal, mask=mask, layout=layout, out=out, arch=arch)
+    flash_attention(q, k, v, causal=causal, mask=mask, layout=layout, out=out, arch=arch, config=config)
     torch.cuda.synchronize()
     ref = flash_attention_ref(q.float(), k.float(), v.float(), causal=causal, mask=mask, layout=layout)
     tol = 1e-2
