@@ -50,6 +50,25 @@ def test_compile_with_inductor_for_the_rest(monkeypatch) -> None:
         assert _rel(fast(*inputs), model(*inputs)) < 1e-5
 
 
+def test_inductor_failure_falls_back_to_the_fused_graph() -> None:
+    """If inductor cannot compile the remainder, the fused graph runs as it is, after one warning."""
+    from tkopt.torch_compile import InductorOrEager
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 3))
+    run = InductorOrEager(gm, dynamic=False)
+
+    def broken(*args):
+        raise RuntimeError("inductor lowering failed")
+
+    run.compiled = broken
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match="inductor failed on the unfused remainder .*lowering failed"):
+        assert torch.equal(run(x), gm(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(run(x), gm(x))  # warned once; eager from then on
+
+
 def test_kernel_failure_falls_back_to_the_unfused_subgraph(monkeypatch) -> None:
     """The CPU kernels take float32/float64: a float16 module keeps every node unfused, with a warning
     naming each, and still runs (matching eager exactly, since it is eager's own graph)."""
