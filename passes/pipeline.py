@@ -56,6 +56,7 @@ class Report:
     refusals: list[Refusal] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
     kernel_fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (node, why its kernel failed)
+    declined: list[tuple[str, str]] = field(default_factory=list)  # (node, why the backend left it unfused)
 
     @property
     def total_fused(self) -> int:

@@ -31,7 +31,7 @@ from torch.export import Dim
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.frontends.fx import import_fx, node_val
-from tkopt.kernel_dispatch import first_device, prepare_kernels
+from tkopt.kernel_dispatch import decline_unprofitable, first_device, prepare_kernels
 from tkopt.passes.pipeline import Report, run_passes
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,9 @@ class CompiledModule(nn.Module):
         ep = _export(self.module, args, kwargs, self.dynamic)
         graph = import_fx(ep)
         report = run_passes(graph, self.disable)
-        report.kernel_fallbacks = prepare_kernels(graph, first_device(pytree.tree_leaves((args, kwargs))))
+        device = first_device(pytree.tree_leaves((args, kwargs)))
+        report.declined = decline_unprofitable(graph, device)
+        report.kernel_fallbacks = prepare_kernels(graph, device)
         gm = to_torch_module(graph)
         placeholders = gm.graph.find_nodes(op="placeholder")
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -158,7 +160,6 @@ class CompiledModule(nn.Module):
         ranges = ep.range_constraints if self.dynamic else {}
         # Inductor on the rest: it fuses the elementwise ops tkopt leaves (RoPE, casts, masks) and calls
         # the tkopt:: ops as extern kernels, through their fake impls while tracing.
-        device = first_device(pytree.tree_leaves((args, kwargs)))
         use_inductor = device.type == "cuda" if self.inductor is None else self.inductor
         run = InductorOrEager(gm, self.dynamic) if use_inductor else gm
         entry = Specialization(gm, run, report, spec, examples, ranges)

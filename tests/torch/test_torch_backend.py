@@ -201,10 +201,30 @@ def test_custom_op_backward_matches_finite_differences():
         torch.library.opcheck(fn, args)
 
 
+def test_lone_linears_are_declined_on_cuda_only():
+    """On CUDA a FusedGemm that only replaced one linear(+bias) goes back to aten (cuBLAS); GEMMs with an
+    activation or residual stay fused; on CPU nothing is declined. The result still matches eager."""
+    from tkopt.kernel_dispatch import decline_unprofitable, prepare_kernels
+    from tkopt.passes.pipeline import run_passes
+
+    model, inputs = REFERENCE_MODELS["bert_layer"]()
+    graph = import_fx(torch.export.export(model, inputs))
+    run_passes(graph)
+    gemms = {n.name: n for n in graph.nodes if n.op == "FusedGemm"}
+    lone = {name for name, n in gemms.items() if len(n.replaced) == 1}
+    assert lone and lone != set(gemms)  # BERT: q/k/v/out projections alone, FFN up with GELU, down + residual
+    assert decline_unprofitable(graph, torch.device("cpu")) == []
+    declined = decline_unprofitable(graph, torch.device("cuda"))
+    assert {name for name, _ in declined} == lone and all("cuBLAS" in why for _, why in declined)
+    left = {n.name for n in graph.nodes if n.op == "FusedGemm"}
+    assert left == set(gemms) - lone
+    prepare_kernels(graph, torch.device("cpu"))
+    with torch.no_grad():
+        assert rel_err(to_torch_module(graph)(*inputs), model(*inputs)) < 1e-5
+
+
 def test_training_through_compiled_module_matches_eager():
     """tkopt.compile'd module trains: loss gradients w.r.t. input and parameters equal eager's."""
-    from tkopt.models.blocks import REFERENCE_MODELS
-
     model, inputs = REFERENCE_MODELS["llama_block"]()
     fast = tkopt.compile(model, inputs)
     assert fast.tkopt_report.total_fused > 0
