@@ -110,3 +110,13 @@ def cuda_lowerer():
     """The `lower_cuda(func, arch)` helper as a fixture."""
     return lower_cuda
 
+
+def global_access_widths(src: str) -> dict[str, set[str]]:
+    """{buffer: access kinds} of the global buffers X, R, W, B, Y, S in lowered CUDA source: the vector type of
+    `*(uint4*)(Y + ...)`-style accesses, "scalar" for element accesses `Y[...]`."""
+    out: dict[str, set[str]] = {}
+    for ty, buf in re.findall(r"\*\((\w+)\*\)\(([XRWBYS]) \+", src):
+        out.setdefault(buf, set()).add(ty)
+    for buf in re.findall(r"(?<![\w.])([XRWBYS])\[", src):
+        out.setdefault(buf, set()).add("scalar")
+    return out

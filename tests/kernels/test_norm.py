@@ -1,11 +1,10 @@
 """add + LayerNorm / RMSNorm and plain norms: CPU numerics vs reference, errors, nvcc builds, GPU numerics."""
 
-import re
 import shutil
 
 import pytest
 import torch
-from conftest import cuda_compile, lower_cuda
+from conftest import cuda_compile, global_access_widths, lower_cuda
 
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.norm import (
@@ -135,17 +134,6 @@ NVCC_CASES = {
 }
 
 
-def _global_access_widths(src: str) -> dict[str, set[str]]:
-    """{buffer: access kinds} of the global buffers X, R, W, B, Y, S in lowered CUDA source: the vector type of
-    `*(uint4*)(Y + ...)`-style accesses, "scalar" for element accesses `Y[...]`."""
-    out: dict[str, set[str]] = {}
-    for ty, buf in re.findall(r"\*\((\w+)\*\)\(([XRWBYS]) \+", src):
-        out.setdefault(buf, set()).add(ty)
-    for buf in re.findall(r"(?<![\w.])([XRWBYS])\[", src):
-        out.setdefault(buf, set()).add("scalar")
-    return out
-
-
 @pytest.mark.parametrize("arch", ["sm90", "sm80"])
 @pytest.mark.parametrize("name", list(NVCC_CASES))
 def test_nvcc_compiles(name, arch):
@@ -153,7 +141,7 @@ def test_nvcc_compiles(name, arch):
     elem = 4 if p["dtype"] == "float32" else 2
     func = norm_program_gpu(**p, **default_norm_config(p["n"], elem, arch))
     src = lower_cuda(func, arch)
-    widths = _global_access_widths(src)
+    widths = global_access_widths(src)
     if name == "ln_4096_fp16":  # every global access 128-bit, the sum's stores too (they were 64-bit)
         assert widths == {b: {"uint4"} for b in "XRWBYS"}, widths
     if name == "ln_1000_bf16_sum":  # guarded: x, r and the sum still 128-bit
@@ -170,7 +158,7 @@ def test_lowered_accesses_128bit(kind, write_sum):
                             has_bias=kind == "layer", write_sum=write_sum, eps=1e-5,
                             **default_norm_config(4096, 2, "sm90"))
     bufs = "XRW" + ("B" if kind == "layer" else "") + "Y" + ("S" if write_sum else "")
-    widths = _global_access_widths(lower_cuda(func, "sm90"))
+    widths = global_access_widths(lower_cuda(func, "sm90"))
     assert widths == {b: {"uint4"} for b in bufs}, widths
 
 

@@ -15,7 +15,7 @@ back from the lowered CUDA source.
 import re
 
 import pytest
-from conftest import cuda_compile, lower_cuda
+from conftest import cuda_compile, global_access_widths, lower_cuda
 
 from tkopt.kernels.norm import _ceil_to, default_norm_config, norm_candidates, norm_program_gpu
 from tkopt.kernels.row_softmax import softmax_program_gpu
@@ -81,21 +81,12 @@ def test_softmax_fragment_not_replicated(n, dtype, arch):
     _check_layout(lower_cuda(softmax_program_gpu(n, dtype, **cfg), arch), ("s",), n, dtype, cfg)
 
 
-def _global_access_widths(src: str) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for ty, buf in re.findall(r"\*\((\w+)\*\)\(([XRWBYS]) \+", src):
-        out.setdefault(buf, set()).add(ty)
-    for buf in re.findall(r"(?<![\w.])([XRWBYS])\[", src):
-        out.setdefault(buf, set()).add("scalar")
-    return out
-
-
 def test_bert_base_add_layer_norm_builds_without_spills():
     """add+LN fp16 n=768 (BERT-base), sm90: every global access 128-bit, and ptxas reports no spills (the replicated
     layout spilled two 768-float arrays per thread to local memory)."""
     cfg = default_norm_config(768, 2, "sm90")
     src = lower_cuda(_norm("layer", 768, "float16", "float16", cfg), "sm90")
-    assert _global_access_widths(src) == {b: {"uint4"} for b in "XRWBYS"}
+    assert global_access_widths(src) == {b: {"uint4"} for b in "XRWBYS"}
     build = cuda_compile(src, "sm90")
     assert build.spills and max(build.spills) == 0, build.log[-2000:]
     assert max(build.registers) <= 128, build.registers
