@@ -21,7 +21,7 @@ Program builders:
 
 import torch
 
-from .arch import TARGETS, UnsupportedError, arch_of, run_target
+from .arch import UnsupportedError, arch_of
 from .norm import (
     CPU_DTYPES,
     GPU_DTYPES,
@@ -216,25 +216,20 @@ def conv_candidates(c, f, k_total, dtype, arch) -> list[dict]:
 
 
 _cfg_cache: dict[tuple, dict] = {}
-_w_cache: dict[tuple, torch.Tensor] = {}
-
-
 def _weight_operand(w: torch.Tensor, kp: int, fp: int) -> torch.Tensor:
-    """(F, C, KH, KW) -> zero-padded (Kp, Fp) with K ordered (kh, kw, c); cached per weight version."""
-    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, kp, fp)
-    got = _w_cache.get(key)
-    if got is not None:
-        return got
+    """(F, C, KH, KW) -> zero-padded (Kp, Fp) with K ordered (kh, kw, c), rebuilt on every call.
+
+    Not cached: a cache keyed by the weight's address and version handed a new weight, allocated where
+    a freed one had been (version 0 again), the freed weight's values (the H200 "sm80 variant" failures
+    of 2026-11-30), and writes through `.data` do not bump the version either. One copy of the weight
+    per call is the price of never computing with stale weights.
+    """
     f, c, kh, kw = w.shape
     wk = w.permute(2, 3, 1, 0).reshape(kh * kw * c, f)
-    if kp != wk.shape[0] or fp != f:
-        out = torch.zeros(kp, fp, dtype=w.dtype, device=w.device)
-        out[: wk.shape[0], :f] = wk
-    else:
-        out = wk.contiguous()
-    if len(_w_cache) > 64:
-        _w_cache.clear()
-    _w_cache[key] = out
+    if kp == wk.shape[0] and fp == f:
+        return wk.contiguous()
+    out = torch.zeros(kp, fp, dtype=w.dtype, device=w.device)
+    out[: wk.shape[0], :f] = wk
     return out
 
 
@@ -267,11 +262,6 @@ def conv2d(x, w, bias=None, act=None, stride=1, padding=0, dilation=1, groups: i
     if bias is not None and (bias.shape != (f,) or bias.dtype != x.dtype or bias.device != x.device):
         raise ValueError(f"bias must be a ({f},) {x.dtype} tensor on {x.device}, got {tuple(bias.shape)} {bias.dtype}")
     arch = arch_of(x, arch)
-    if arch == "sm80" and run_target(arch) != TARGETS["sm80"]:
-        # Seen on the H200 (2026-11-30): the sm80 conv program built for Hopper with wgmma/TMA off gives
-        # wrong results (rel err ~0.9) while the sm80 GEMM/norm/softmax built that way are right. Refuse
-        # rather than answer wrong; a real Ampere GPU builds it for sm_80 and is not affected.
-        raise UnsupportedError("conv2d: the sm80 variant is not supported on this newer GPU; use the native variant")
     allowed = CPU_DTYPES if arch == "cpu" else GPU_DTYPES
     if x.dtype not in allowed:
         raise UnsupportedError(f"conv2d on {arch}: dtype {x.dtype} not supported (supported: {allowed})")
