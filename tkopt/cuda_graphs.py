@@ -7,7 +7,9 @@ values, grad mode) once and afterwards only copies inputs in, replays and copies
 
 Outputs are returned as fresh tensors (a clone of the graph's static outputs): a result held by the
 caller is never overwritten by a later call. Parameters and buffers are captured by address, so
-in-place weight updates are seen and rebinding a parameter to a new tensor is not (re-compile then).
+in-place weight updates are seen. Parameters passed as inputs (the torch.compile backend) are
+checked by address on every call and recaptured if rebound; those held by the module (tkopt.compile)
+are not: after `param.data = new`, compile again.
 A signature whose capture fails runs uncaptured from then on, after one warning naming the reason.
 """
 
@@ -54,6 +56,8 @@ class CapturedCall:
         # static copy_ below handles), so the captured kernels see the caller's layout. Inputs that
         # `in_place` accepts (parameters passed as inputs) are captured where they are, not copied.
         self.static = [x if not isinstance(x, torch.Tensor) or in_place(x) else x.clone() for x in flat]
+        self.kept = {i: x.data_ptr() for i, (x, s) in enumerate(zip(flat, self.static, strict=True)) if x is s
+                     and isinstance(x, torch.Tensor)}  # in-place inputs: the address the graph reads
         args, kwargs = pytree.tree_unflatten(self.static, spec)
         side = torch.cuda.Stream(device=self.static_device())
         side.wait_stream(torch.cuda.current_stream(side.device))
@@ -68,9 +72,13 @@ class CapturedCall:
     def static_device(self) -> torch.device:
         return next(x.device for x in self.static if isinstance(x, torch.Tensor))
 
+    def current(self, flat: Sequence[Any]) -> bool:
+        """Whether every in-place input still lives where the graph reads it (not rebound via `.data = `)."""
+        return all(flat[i].data_ptr() == ptr for i, ptr in self.kept.items())
+
     def __call__(self, flat: Sequence[Any]) -> Any:
-        for dst, src in zip(self.static, flat, strict=True):
-            if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
+        for i, (dst, src) in enumerate(zip(self.static, flat, strict=True)):
+            if isinstance(dst, torch.Tensor) and i not in self.kept:
                 dst.copy_(src)
         self.graph.replay()
         fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs]
@@ -88,6 +96,8 @@ class GraphCache:
     def __call__(self, key: Hashable, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec,
                  in_place: Callable[[torch.Tensor], bool] = lambda t: False) -> Any:
         entry = self.graphs.get(key)
+        if isinstance(entry, CapturedCall) and not entry.current(flat):
+            entry = None  # a parameter moved: capture again rather than read the old address
         if entry is None:
             try:
                 entry = CapturedCall(fn, flat, spec, in_place)
