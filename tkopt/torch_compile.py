@@ -10,7 +10,9 @@ tkopt warns and exports statically.
 
 On CUDA inputs (and with autograd off) each exact input signature is captured once as a CUDA graph
 and replayed afterwards (tkopt.cuda_graphs): the per-op Python dispatch would otherwise cost more
-than the kernels. cuda_graphs=False runs every call through Python.
+than the kernels. cuda_graphs=False runs every call through Python. On CUDA the ops tkopt left
+unfused also go through inductor by default (inductor=None); fusions that cannot beat what they
+replace on the device are declined first (kernel_dispatch.decline_unprofitable).
 """
 
 from __future__ import annotations
