@@ -111,7 +111,7 @@ def bench_module(
     """
     from tkopt.bench_nodes import torch_node_rows
     from tkopt.frontends.fx import import_fx
-    from tkopt.kernel_dispatch import decline_unprofitable, first_device, prepare_kernels
+    from tkopt.kernel_dispatch import first_device, prepare_kernels
     from tkopt.passes.pipeline import run_passes
     from tkopt.torch_compile import compile as tk_compile
 
@@ -165,7 +165,6 @@ def bench_module(
         # The same pipeline tkopt.compile ran, kept at hand: the IR says which fx nodes each fused node replaced.
         graph = import_fx(torch.export.export(module, inputs))
         run_passes(graph, disable)
-        decline_unprofitable(graph, device)
         prepare_kernels(graph, device)
         rows = torch_node_rows(graph, inputs, timer)
     for ours in ("tkopt", "tkopt_inductor"):

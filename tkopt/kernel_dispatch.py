@@ -119,27 +119,33 @@ def decline_unprofitable(graph: Graph, device: torch.device) -> list[tuple[str, 
 
     On CUDA a FusedGemm that replaced a single linear/addmm with at most a bias fuses nothing: cuBLAS
     adds the bias in its own epilogue, and on mid-size projections it is 10-35% faster than our
-    kernel (H200, BERT-base and Llama layers). Call before prepare_kernels (which seals the graph).
+    kernel (H200, BERT-base and Llama layers). Part of prepare_kernels; unfusing needs the graph unsealed.
     """
-    declined = []
+    declined: list[tuple[str, str]] = []
     if device.type != "cuda":
         return declined
+    residual_at = fused_ops.schema("FusedGemm").inputs.index("residual")
     for node in [n for n in graph.nodes if n.op == "FusedGemm"]:
-        residual = node.inputs[3] if len(node.inputs) > 3 else None
+        residual = node.inputs[residual_at] if len(node.inputs) > residual_at else None
         if len(node.replaced) == 1 and node.attrs.get("activation", "none") == "none" and residual is None:
             unfuse(graph, node)
             declined.append((node.name, "a lone linear (+bias): nothing to fuse beyond cuBLAS's own epilogue"))
     return declined
 
 
-def prepare_kernels(graph: Graph, device: torch.device) -> list[tuple[str, str]]:
-    """Probe every fused node's kernel on `device`; put back unfused, with a warning, each that fails.
+def prepare_kernels(
+    graph: Graph, device: torch.device
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Settle how every fused node runs on `device`, then seal the graph: the fusions that cannot win
+    there are declined (decline_unprofitable); every other fused node's kernel is probed, and each
+    that fails is put back unfused with a warning. With TKOPT_KERNELS=reference nothing is probed.
 
-    Returns (node name, reason) per node left unfused. With TKOPT_KERNELS=reference nothing is probed.
+    Returns (declined, fallbacks): (node name, reason) per node left unfused, for the report.
     """
+    declined = decline_unprofitable(graph, device)
     if not use_kernels():
         seal(graph)
-        return []
+        return declined, []
     fallbacks = []
     for node in [n for n in graph.nodes if n.is_fused]:
         reason = probe(node, device)
@@ -149,7 +155,7 @@ def prepare_kernels(graph: Graph, device: torch.device) -> list[tuple[str, str]]
             unfuse(graph, node)
             fallbacks.append((node.name, reason))
     seal(graph)
-    return fallbacks
+    return declined, fallbacks
 
 
 def first_device(values: Sequence[Any]) -> torch.device:

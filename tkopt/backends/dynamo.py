@@ -26,7 +26,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.frontends.fx import import_fx
-from tkopt.kernel_dispatch import decline_unprofitable, first_device, prepare_kernels
+from tkopt.kernel_dispatch import first_device, prepare_kernels
 from tkopt.passes.pipeline import run_passes
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,7 @@ def optimize_graph_module(
     """Import an aten-level GraphModule, run the passes, rebuild it (report in `.tkopt_report`)."""
     graph = import_fx(gm)
     report = run_passes(graph, disable)
-    report.declined = decline_unprofitable(graph, first_device(example_inputs))
-    report.kernel_fallbacks = prepare_kernels(graph, first_device(example_inputs))
+    report.declined, report.kernel_fallbacks = prepare_kernels(graph, first_device(example_inputs))
     out = to_torch_module(graph)
     out.tkopt_report = report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.nodes_before,
