@@ -66,17 +66,12 @@ def replayed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
 
     For per-node rows: both a fused op and the nodes it replaced are timed this way, so the ratio
     compares kernels, not dispatch paths. Falls back to `fn` if it cannot be captured."""
+    from tkopt.cuda_graphs import capture
+
     if device.type != "cuda":
         return fn
     try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture(fn, device)
     except Exception:  # noqa: BLE001 - uncapturable: time it as is
         return fn
     return graph.replay

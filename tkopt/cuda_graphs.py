@@ -47,30 +47,36 @@ def capturable(flat: Sequence[Any], module: torch.nn.Module) -> str | None:
     return None
 
 
+def capture(fn: Callable[[], Any], device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """A CUDA graph of `fn()` and the output of the captured call. `fn` runs once first on a side
+    stream, outside the capture: kernel builds, autotuning and cuBLAS handles happen there."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 class CapturedCall:
     """One CUDA graph of `fn` on static copies of one call's inputs."""
 
     def __init__(self, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec,
                  in_place: Callable[[torch.Tensor], bool] = lambda t: False) -> None:
-        # clone() keeps each input's strides (dense ones; expanded inputs become dense, which the
-        # static copy_ below handles), so the captured kernels see the caller's layout. Inputs that
-        # `in_place` accepts (parameters passed as inputs) are captured where they are, not copied.
-        self.static = [x if not isinstance(x, torch.Tensor) or in_place(x) else x.clone() for x in flat]
-        self.kept = {i: x.data_ptr() for i, (x, s) in enumerate(zip(flat, self.static, strict=True)) if x is s
-                     and isinstance(x, torch.Tensor)}  # in-place inputs: the address the graph reads
+        # Inputs that `in_place` accepts (parameters passed as inputs) are captured where they are, their
+        # address kept to check later calls against; the others are copied into static clones. clone()
+        # keeps each input's strides (dense ones; expanded inputs become dense, which the copy_ in
+        # __call__ handles), so the captured kernels see the caller's layout.
+        self.kept = {i: x.data_ptr() for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and in_place(x)}
+        self.static = [x.clone() if isinstance(x, torch.Tensor) and i not in self.kept else x
+                       for i, x in enumerate(flat)]
         args, kwargs = pytree.tree_unflatten(self.static, spec)
-        side = torch.cuda.Stream(device=self.static_device())
-        side.wait_stream(torch.cuda.current_stream(side.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: kernel builds, autotuning, cuBLAS handles
-            fn(*args, **kwargs)
-        torch.cuda.current_stream(side.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            out = fn(*args, **kwargs)
+        device = next(x.device for x in flat if isinstance(x, torch.Tensor))
+        self.graph, out = capture(lambda: fn(*args, **kwargs), device)
         self.outputs, self.out_spec = pytree.tree_flatten(out)
-
-    def static_device(self) -> torch.device:
-        return next(x.device for x in self.static if isinstance(x, torch.Tensor))
 
     def current(self, flat: Sequence[Any]) -> bool:
         """Whether every in-place input still lives where the graph reads it (not rebound via `.data = `)."""
