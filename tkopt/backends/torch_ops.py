@@ -110,10 +110,20 @@ def _(
     return _empty(X, shape), _empty(X, shape)
 
 
+# fused op name (tkopt.fused_ops) -> (custom op, its attribute names in signature order)
+CUSTOM_OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "FusedGemm": (torch.ops.tkopt.fused_gemm.default, ("trans_b", "activation")),
+    "FusedGatedMLP": (torch.ops.tkopt.fused_gated_mlp.default, ("trans_b", "activation")),
+    "FusedAttention": (torch.ops.tkopt.fused_attention.default, ("scale", "causal", "layout")),
+    "FusedAddNorm": (torch.ops.tkopt.fused_add_norm.default, ("kind", "epsilon")),
+}
+
+
 # ---- Autograd: each op's backward differentiates its torch reference (tkopt.fused_ops) ----------
-def _register_backward(custom_op: Any, op: str, n_tensors: int, attr_names: tuple[str, ...]) -> None:
+def _register_backward(custom_op: Any, op: str, attr_names: tuple[str, ...]) -> None:
     """Backward by recomputation: the reference, re-run under autograd on the saved inputs, gives the
     input gradients. Correct for every op and dtype the reference takes; not a fused backward kernel."""
+    n_tensors = len(fused_ops.schema(op).inputs)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         tensors = inputs[:n_tensors]
@@ -137,19 +147,8 @@ def _register_backward(custom_op: Any, op: str, n_tensors: int, attr_names: tupl
                    if pairs and leaves else [None] * len(leaves))
         return (*[next(got) if want else None for want in wants], *[None] * len(attr_names))
 
-    custom_op.register_autograd(backward, setup_context=setup_context)
+    torch.library.register_autograd(custom_op.name(), backward, setup_context=setup_context)
 
 
-_register_backward(fused_gemm, "FusedGemm", 4, ("trans_b", "activation"))
-_register_backward(fused_gated_mlp, "FusedGatedMLP", 5, ("trans_b", "activation"))
-_register_backward(fused_attention, "FusedAttention", 4, ("scale", "causal", "layout"))
-_register_backward(fused_add_norm, "FusedAddNorm", 4, ("kind", "epsilon"))
-
-
-# fused op name (tkopt.fused_ops) -> (custom op, its attribute names in signature order)
-CUSTOM_OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "FusedGemm": (torch.ops.tkopt.fused_gemm.default, ("trans_b", "activation")),
-    "FusedGatedMLP": (torch.ops.tkopt.fused_gated_mlp.default, ("trans_b", "activation")),
-    "FusedAttention": (torch.ops.tkopt.fused_attention.default, ("scale", "causal", "layout")),
-    "FusedAddNorm": (torch.ops.tkopt.fused_add_norm.default, ("kind", "epsilon")),
-}
+for _op, (_custom_op, _attr_names) in CUSTOM_OPS.items():
+    _register_backward(_custom_op, _op, _attr_names)
