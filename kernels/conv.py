@@ -216,6 +216,8 @@ def conv_candidates(c, f, k_total, dtype, arch) -> list[dict]:
 
 
 _cfg_cache: dict[tuple, dict] = {}
+
+
 def _weight_operand(w: torch.Tensor, kp: int, fp: int) -> torch.Tensor:
     """(F, C, KH, KW) -> zero-padded (Kp, Fp) with K ordered (kh, kw, c), rebuilt on every call.
 

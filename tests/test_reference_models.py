@@ -27,7 +27,12 @@ def _counts(fusions: dict[str, int], expected: dict[str, int]) -> dict[str, int]
 def test_expected_fusions_and_parity(name: str, frontend: str, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TKOPT_KERNELS", "reference")
     model, inputs = REFERENCE_MODELS[name]()
-    expected = EXPECTED_FUSIONS[name]
+    _check_fusions_and_parity(model, inputs, EXPECTED_FUSIONS[name], frontend, tmp_path / f"{name}.onnx")
+
+
+def _check_fusions_and_parity(model, inputs, expected: dict[str, int], frontend: str, onnx_path) -> None:
+    """Through `frontend` (FX via tkopt.compile, or an ONNX export): the expected fusion counts, and every
+    output within 1e-5 relative error of the unfused model."""
     if frontend == "fx":
         optimized = tkopt.compile(model, inputs)
         assert _counts(optimized.tkopt_report.fusions, expected) == expected
@@ -38,7 +43,7 @@ def test_expected_fusions_and_parity(name: str, frontend: str, tmp_path, monkeyp
             rel = ((g - w).abs().max() / w.abs().max()).item()
             assert rel < 1e-5, rel
         return
-    path = export_onnx(model, inputs, tmp_path / f"{name}.onnx", dynamo=frontend == "onnx_dynamo")
+    path = export_onnx(model, inputs, onnx_path, dynamo=frontend == "onnx_dynamo")
     _, report = tkopt.optimize_onnx(path, report=False, check_accuracy=True)
     assert _counts(report.passes.fusions, expected) == expected
     assert report.accuracy is not None and report.accuracy.ok
@@ -64,15 +69,4 @@ def test_transformers_models(name: str, impl: str, frontend: str, tmp_path, monk
     pytest.importorskip("transformers")
     monkeypatch.setenv("TKOPT_KERNELS", "reference")
     model, inputs = getattr(hf, name)(impl)
-    expected = HF_EXPECTED[name]
-    if frontend == "fx":
-        optimized = tkopt.compile(model, inputs)
-        assert _counts(optimized.tkopt_report.fusions, expected) == expected
-        with torch.no_grad():
-            want, got = model(*inputs), optimized(*inputs)
-        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
-        return
-    path = export_onnx(model, inputs, tmp_path / f"{name}.onnx", dynamo=frontend == "onnx_dynamo")
-    _, report = tkopt.optimize_onnx(path, report=False, check_accuracy=True)
-    assert _counts(report.passes.fusions, expected) == expected
-    assert all(out.max_rel < 1e-5 for out in report.accuracy.outputs)
+    _check_fusions_and_parity(model, inputs, HF_EXPECTED[name], frontend, tmp_path / f"{name}.onnx")
