@@ -25,6 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+from torch._dynamo.symbolic_convert import TensorifyState
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -77,14 +79,41 @@ def replay_as_cuda_graphs(gm: fx.GraphModule, owner: fx.GraphModule) -> Callable
 def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Dynamo's torch-level graph as a functional aten graph of its forward (no autograd recorded), torch's
     fused fast paths decomposed: the graph tkopt fuses. Traced on Dynamo's fake inputs (their symbolic
-    shapes), in their fake mode; a graph without them is traced on fakes of `example_inputs`."""
+    shapes), in their fake mode; a graph without them is traced on fakes of `example_inputs`. Dead nodes
+    (the detach make_fx records for each tensor autograd would save) are dropped: they read intermediates."""
     fakes = [node_val(p) for p in gm.graph.find_nodes(op="placeholder")]
     functional = torch.func.functionalize(gm)
     if any(v is None for v in fakes):
-        return make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS, tracing_mode="fake")(*example_inputs)
-    mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)
-    with mode if mode is not None else contextlib.nullcontext():
-        return make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS)(*fakes)
+        traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS, tracing_mode="fake")(
+            *example_inputs)
+    else:
+        mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)
+        with mode if mode is not None else contextlib.nullcontext():
+            traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS)(*fakes)
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced
+
+
+def specialize_float_inputs(gm: fx.GraphModule) -> None:
+    """Make Dynamo retrace with float attributes as constants, if it made them graph inputs.
+
+    Dynamo passes floats such as a norm's epsilon or an attention scale as tensor inputs read with
+    .item(): the graph then adds a runtime scalar where the recognizers need a constant, and nothing
+    fuses. AOTAutograd asks Dynamo to specialize floats it cannot turn into tensor ops by the same
+    restart; here every float input is specialized (one restart per frame; a float argument that
+    changes between calls recompiles, as with torch.compile's specialize_float=True).
+    """
+    names = {
+        v.item_memo.node._expr.name for p in gm.graph.find_nodes(op="placeholder")
+        if isinstance(v := node_val(p), FakeTensor) and v.item_memo is not None
+        and hasattr(v.item_memo.node._expr, "name")
+    }
+    fresh = {n for n in names if not TensorifyState.should_specialize(n)}
+    if fresh:
+        for n in fresh:
+            TensorifyState.specialize(n)
+        raise TensorifyScalarRestartAnalysis
 
 
 def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True) -> Callable[..., Any]:
@@ -95,6 +124,7 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True) -> Calla
         return make_boxed_func(gm.forward)
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+        specialize_float_inputs(gm)
         optimized = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs)
 
         def forward_compiler(fw: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
