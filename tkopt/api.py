@@ -27,6 +27,10 @@ class AccuracyError(RuntimeError):
     """The fused model's outputs do not match the original's within tolerance."""
 
 
+class OriginalModelError(RuntimeError):
+    """The original model itself fails in ONNX Runtime on the inputs of the accuracy check."""
+
+
 def optimize_onnx(
     model: ModelLike,
     output: str | Path | None = None,
@@ -89,7 +93,10 @@ def _finish(graph, optimized, passes, ops_before, output, check_accuracy, lib, f
         rep.target, rep.unfused = lib.target, lib.unfused
     built = str(lib.path) if lib is not None and lib.nodes else None
     if check_accuracy:
-        rep.accuracy = compare_onnx(graph.meta["onnx_model"], optimized, custom_ops_library=built)
+        try:
+            rep.accuracy = compare_onnx(graph.meta["onnx_model"], optimized, custom_ops_library=built)
+        except OriginalModelError as e:
+            raise OriginalModelError(f"{rep.source}: {e}") from e.__cause__
     if output is not None and (rep.accuracy is None or rep.accuracy.ok):
         save(optimized, output, external_data=True if graph.meta["external_data"] else None)
         rep.output = str(output)
@@ -171,7 +178,16 @@ def compare_onnx(
     orig = original if isinstance(original, onnx.ModelProto) else load_model(original)[0]
     opt = optimized if isinstance(optimized, onnx.ModelProto) else load_model(optimized)[0]
     feeds = dict(inputs) if inputs is not None else make_inputs(orig, seed)
-    want = run_model(orig, feeds, provider="ort")
+    try:
+        want = run_model(orig, feeds, provider="ort")
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        shapes = {k: list(v.shape) for k, v in feeds.items()}
+        raise OriginalModelError(
+            f"the original model itself fails in ONNX Runtime on inputs of shapes {shapes}, so fused and "
+            f"unfused cannot be compared there (an export that declares dims dynamic but fixed traced sizes in its "
+            f"shapes, as the TorchScript exporter can, runs at its export sizes only; re-export, or skip the "
+            f"check with --no-check-accuracy): {' '.join(str(e).split())}"
+        ) from e
     lib = custom_ops_library or native_library()
     fused_runner = "ort" if not has_fused_nodes(opt) or lib else "hybrid"
     got = run_model(opt, feeds, provider=fused_runner, custom_ops_library=lib)
