@@ -23,6 +23,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
+from tkopt.onnx_checker import checkable
 
 MIN_OPSET = 17
 
@@ -182,9 +183,10 @@ def load_model(
     if external and in_memory:
         proto = _copy(proto)
         onnx.external_data_helper.load_external_data_for_model(proto, base)
+    checked = checkable(proto)  # ops ONNX does not define but ORT runs pass through unchecked
     try:
         # From a file the checker reads external data itself (any size); shape inference needs types only.
-        onnx.checker.check_model(where if external and not in_memory else proto)
+        onnx.checker.check_model(where if external and not in_memory and checked is proto else checked)
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise ModelLoadError(f"{where}: invalid ONNX model: {str(e).splitlines()[0]}") from None
