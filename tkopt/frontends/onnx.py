@@ -172,10 +172,7 @@ def load_model(
         )
     external = [t for t in _all_tensors(proto) if uses_external_data(t)]
     for t in external:
-        location = next(e.value for e in t.external_data if e.key == "location")
-        data = os.path.join(base, location)
-        if not os.path.isfile(data):
-            raise ModelLoadError(f"{where}: external data file {data!r} (for tensor {t.name!r}) is missing")
+        _check_external_data(t, base, where)
     from tkopt.backends.onnx_model import register_schemas  # an optimized model has tkopt ops
 
     register_schemas()
@@ -193,6 +190,25 @@ def load_model(
     if external and not in_memory:
         onnx.external_data_helper.load_external_data_for_model(proto, base)
     return proto, inferred, where, bool(external)
+
+
+def _check_external_data(t: onnx.TensorProto, base: str, where: str) -> None:
+    """The tensor's data file exists and holds the bytes the tensor needs (a truncated copy names the file)."""
+    info = {e.key: e.value for e in t.external_data}
+    data = os.path.join(base, info.get("location", ""))
+    if not os.path.isfile(data):
+        raise ModelLoadError(f"{where}: external data file {data!r} (for tensor {t.name!r}) is missing")
+    item = helper.tensor_dtype_to_np_dtype(t.data_type)
+    if "length" in info:
+        length = int(info["length"])
+    elif item.kind != "O":
+        length = int(np.prod(t.dims, dtype=np.int64)) * item.itemsize
+    else:
+        return  # strings: no fixed size to check
+    end, size = int(info.get("offset", 0)) + length, os.path.getsize(data)
+    if end > size:
+        raise ModelLoadError(f"{where}: external data file {data!r} is truncated: it has {size} bytes, "
+                             f"tensor {t.name!r} needs bytes up to {end}")
 
 
 def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
