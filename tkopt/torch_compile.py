@@ -199,7 +199,7 @@ class CompiledModule(nn.Module):
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     module: nn.Module,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] | torch.Tensor,
     *,
     disable: Iterable[str] = (),
     dynamic: bool = True,
@@ -207,7 +207,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     inductor: bool | None = None,
     check_accuracy: bool = False,
 ) -> CompiledModule:
-    """Export `module` with `example_inputs`, fuse, and return a module with the same call signature.
+    """Export `module` with `example_inputs` (its positional arguments; a lone tensor is the one
+    argument), fuse, and return a module with the same call signature.
 
     `disable` names passes to skip (tkopt.passes.pipeline.pass_names()). The result has
     `.tkopt_report` (what the passes did) and `.graph_module` (the optimized fx.GraphModule).
@@ -219,6 +220,6 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     (tkopt.differential; `.tkopt_accuracy` lists them) and raises AccuracyError on a mismatch.
     """
     compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor, check_accuracy)
-    args = tuple(example_inputs)
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     compiled.specialize(args, {})
     return compiled
