@@ -93,11 +93,13 @@ def classify(path: str, e: BaseException, shape: tuple[int, int] | None) -> Outc
     first_line = (str(e).strip().splitlines() or [""])[0][:300]
     if not ours:
         return Outcome(path, "rejected", f"{type(e).__name__}: {first_line}", shape=shape)
-    i = ours[-1]
-    callee = frames[i + 1].filename if i + 1 < len(frames) else ""
-    if f"{os.sep}torch{os.sep}export{os.sep}" in callee or f"{os.sep}torch{os.sep}onnx{os.sep}" in callee:
+    exporters = (f"{os.sep}torch{os.sep}export{os.sep}", f"{os.sep}torch{os.sep}onnx{os.sep}")
+    # tkopt calls into an exporter, which may trace tkopt's own wrapper before failing in torch or user code:
+    # the exporter's failure unless a tkopt frame raised it.
+    into_exporter = any(i + 1 < len(frames) and any(x in frames[i + 1].filename for x in exporters) for i in ours)
+    if into_exporter and ours[-1] != len(frames) - 1:
         return Outcome(path, "rejected", f"torch.export: {type(e).__name__}: {first_line}", shape=shape)
-    f = frames[i]
+    f = frames[ours[-1]]
     where = f"{os.path.relpath(f.filename, os.path.dirname(roots[0].rstrip(os.sep)))}:{f.lineno} {f.name}"
     return Outcome(path, "crash", first_line, where=where, error=type(e).__name__, shape=shape)
 
