@@ -266,9 +266,13 @@ def test_gemm_custom_rejects_before_compiling():
 
 @pytest.fixture
 def restore_precision():
-    saved = torch.backends.cuda.matmul.fp32_precision
+    """Put torch's fp32 matmul precision back through both its APIs (restoring only the new one would leave
+    torch.get_float32_matmul_precision() raising about mixed legacy and new settings)."""
+    legacy, generic = torch.get_float32_matmul_precision(), torch.backends.fp32_precision
     yield
-    torch.backends.cuda.matmul.fp32_precision = saved
+    torch.backends.fp32_precision = generic
+    torch.set_float32_matmul_precision(legacy)
+    assert torch.get_float32_matmul_precision() == legacy
 
 
 @pytest.mark.parametrize("setting,expected", [
@@ -627,11 +631,8 @@ def test_simt_gpu(arch, case, gpu_precompiled):
 
 
 @pytest.fixture
-def tf32_allowed():
-    saved = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    yield
-    torch.backends.cuda.matmul.fp32_precision = saved
+def tf32_allowed(restore_precision):
+    torch.set_float32_matmul_precision("high")
 
 
 @pytest.mark.gpu
@@ -656,8 +657,8 @@ def test_fp32_full_precision_at_least_as_accurate_as_cublas(arch, kind, gpu_prec
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", GPU_ARCHS)
 def test_fp32_tf32_when_torch_allows(arch, tf32_allowed, monkeypatch, gpu_precompiled):
-    """torch.backends.cuda.matmul.fp32_precision = "tf32" (what set_float32_matmul_precision("high") sets):
-    gemm may use one tf32 product, like A @ B; its error is TF32's, not fp32's."""
+    """After torch.set_float32_matmul_precision("high") gemm may use one tf32 product, like A @ B: its error is
+    TF32's, not fp32's."""
     if not _gpu_arch_ok(arch):
         pytest.skip(f"no {arch} GPU")
     monkeypatch.setenv("TKOPT_AUTOTUNE", "0")
