@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import cuda_compile, lower_cuda
 
+from tkopt.kernels import config as config_module
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.config import FP32_FULL, TileConfig, default_config
 from tkopt.kernels.gated_gemm import gated_mlp, gated_mlp_program
@@ -224,7 +225,9 @@ def test_simt_owner_covers_the_block_tile_once(cfg, dtype):
         assert len(rows) == 4 and max(rows) - min(rows) == 3 and len(cols) == 8 and max(cols) - min(cols) == 7
 
 
-def test_config_valid_defaults_and_roundtrip():
+@pytest.mark.parametrize("fp32_full", ["tf32x3", "simt"])
+def test_config_valid_defaults_and_roundtrip(fp32_full, monkeypatch):
+    monkeypatch.setattr(config_module, "FP32_FULL", fp32_full)  # either choice of full-accuracy default is valid
     for arch in ("sm90", "sm80"):
         for dt in ("float16", "bfloat16", "float32"):
             for acc in (1, 2):
@@ -233,12 +236,12 @@ def test_config_valid_defaults_and_roundtrip():
                         default_config(arch, dt, acc, m, precision=prec).validate(arch, dt, acc, prec)
                     for m, n in ((2048, 512), (4096, 768), (8192, 8192), (100, 100)):
                         default_config(arch, dt, acc, m, n, sms=132, precision=prec).validate(arch, dt, acc, prec)
+    assert default_config("sm90", "float32").math("sm90", "float32") == fp32_full
     # The default tile shrinks until the grid covers the GPU's SMs (a small projection on an H200).
     assert default_config("sm90", "float16", 1, 8192, 8192, sms=132).block_tile == (128, 256, 64)
     assert default_config("sm90", "float16", 1, 4096, 768, sms=132).block_tile == (128, 128, 64)
     assert default_config("sm90", "float16", 1, 2048, 512, sms=132).block_tile == (64, 128, 64)
-    # fp32: full accuracy by default, one tf32 product only when torch allows it
-    assert default_config("sm90", "float32").math("sm90", "float32", "ieee") in ("tf32x3", "simt")
+    # fp32: one tf32 product only when torch allows it
     assert default_config("sm90", "float32", precision="tf32").math("sm90", "float32", "tf32") == "tf32"
     c = TileConfig((128, 256, 64), warp_tile=(64, 64), stages=3, threads=256)
     assert TileConfig.from_dict(c.as_dict()) == c and hash(c) == hash(TileConfig.from_dict(c.as_dict()))
