@@ -77,10 +77,13 @@ def test_console_script(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The demo exports the bundled example (dynamo exporter), optimizes it and checks accuracy."""
+    """The demo exports the bundled example (dynamo exporter), optimizes it for the CPU op library with
+    measured selection, and checks accuracy: every candidate gets a measured decision."""
     assert main(["demo", "--workdir", str(tmp_path), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["total_fused"] > 0 and rep["accuracy"]["ok"]
+    assert rep["target"] == "ort-cpu" and rep["select"] == "measured" and rep["accuracy"]["ok"]
+    assert sum(rep["candidates"].values()) == len(rep["nodes"]) > 0
+    assert all(n["decision"] in ("kept", "slower") and n["fused_ms"] > 0 for n in rep["nodes"])
     assert (tmp_path / "example.tkopt.onnx").exists()
 
 

@@ -175,7 +175,7 @@ def load_model(
         data = os.path.join(base, location)
         if not os.path.isfile(data):
             raise ModelLoadError(f"{where}: external data file {data!r} (for tensor {t.name!r}) is missing")
-    from tkopt.backends.onnx_model import register_schemas  # an optimized model has tkopt ops
+    from tkopt.fused_ops.onnx_schema import register_schemas  # an optimized model has tkopt ops
 
     register_schemas()
     in_memory = isinstance(model, onnx.ModelProto)
