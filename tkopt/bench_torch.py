@@ -121,6 +121,7 @@ def torch_node_rows(graph: Graph, example_inputs: Sequence[Any], timer: Callable
     against the fx nodes it replaced, on their inputs captured from the original graph."""
     from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
     from tkopt.fused_ops import schema
+    from tkopt.object_trees import Boxer
     from tkopt.targets.torch_target import capture_values, first_device, input_tensor, replaced_module, replayed
 
     fused = [n for n in graph.nodes if n.is_fused]
@@ -130,7 +131,8 @@ def torch_node_rows(graph: Graph, example_inputs: Sequence[Any], timer: Callable
     device = first_device(example_inputs)
     rows = []
     with torch.no_grad():
-        values = capture_values(gm, fused, pytree.tree_leaves(tuple(example_inputs)))
+        flat = pytree.tree_leaves((Boxer().box((tuple(example_inputs), {})), {}))  # as tkopt.compile exported it
+        values = capture_values(gm, fused, flat)
         for n in fused:
             row = NodeBench(n.name, n.op, len(n.replaced))
             rows.append(row)

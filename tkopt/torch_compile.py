@@ -21,7 +21,6 @@ unfused also go through inductor by default (inductor=None).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import warnings
 from collections.abc import Iterable, Sequence
@@ -37,6 +36,7 @@ from torch.export import Dim
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.frontends.fx import import_fx, node_val
 from tkopt.ir import Graph
+from tkopt.object_trees import Boxed, Boxer, unbox
 from tkopt.pipeline import optimize
 from tkopt.report import Report
 from tkopt.targets.torch_target import TorchTarget, first_device
@@ -62,26 +62,31 @@ class Specialization:
             return False
         bound: dict[sympy.Symbol, int] = {}
         derived: list[tuple[sympy.Expr, int]] = []
+
+        def bind(want: Any, got: int) -> bool:
+            if isinstance(want, int):
+                return got == want
+            expr = want.node.expr
+            if isinstance(expr, sympy.Symbol):
+                return bound.setdefault(expr, got) == got
+            derived.append((expr, got))
+            return True
+
         for x, ex in zip(flat, self.inputs, strict=True):
+            if isinstance(ex, torch.SymInt):  # an int input traced as a symbol
+                if type(x) is not int or not bind(ex, x):
+                    return False
+                continue
             if not isinstance(ex, torch.Tensor):
-                if isinstance(x, torch.Tensor) or x != ex:
+                if isinstance(x, torch.Tensor) or type(x) is not type(ex) or x != ex:
                     return False
                 continue
             if not isinstance(x, torch.Tensor) or x.dtype != ex.dtype or x.dim() != ex.dim():
                 return False
             if x.device.type != ex.device.type:
                 return False
-            for got, want in zip(x.shape, ex.shape, strict=True):
-                if isinstance(want, int):
-                    if got != want:
-                        return False
-                    continue
-                expr = want.node.expr
-                if isinstance(expr, sympy.Symbol):
-                    if bound.setdefault(expr, got) != got:
-                        return False
-                else:
-                    derived.append((expr, got))
+            if not all(bind(want, got) for got, want in zip(x.shape, ex.shape, strict=True)):
+                return False
         if any(int(expr.subs(bound)) != got for expr, got in derived):
             return False
         for sym, got in bound.items():
@@ -91,21 +96,47 @@ class Specialization:
         return True
 
 
+class Exported(nn.Module):
+    """What tkopt.compile exports: `module` on unboxed inputs, returning its boxed outputs and the final
+    state of every object passed in (tkopt.object_trees), so caches and other objects holding tensors
+    pass through torch.export, and objects the model updates in place are updated in place."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, args: tuple, kwargs: dict) -> tuple[Any, list[Boxed]]:
+        (args, kwargs), objects = unbox((args, kwargs))
+        out = self.module(*args, **kwargs)
+        boxer = Boxer({id(o): i for i, o in enumerate(objects)})
+        return boxer.box(out), [boxer.box_object(o) for o in objects]
+
+
+def _dynamic_shapes(tree: Any) -> Any:
+    """Every dim of a tensor and every int (not bool) Dim.AUTO: symbolic unless the model pins it.
+    torch.export takes a pytree node of a registered class (Boxed) as the list of its children."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, Boxed):
+            return [_dynamic_shapes(x.dynamic)]
+        if isinstance(x, torch.Tensor):
+            return dict.fromkeys(range(x.dim()), Dim.AUTO)
+        return Dim.AUTO if type(x) is int else None
+
+    return pytree.tree_map(leaf, tree, is_leaf=lambda x: isinstance(x, Boxed))
+
+
 def _export(module: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torch.export.ExportedProgram:
+    """Export `Exported(module)` on boxed (args, kwargs)."""
+    wrapped = Exported(module)
     if dynamic:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments  # export's own binding
-        shapes = {
-            name: pytree.tree_map(
-                lambda x: dict.fromkeys(range(x.dim()), Dim.AUTO) if isinstance(x, torch.Tensor) else None, value
-            )
-            for name, value in bound.items()
-        }
         try:
-            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes)
+            shapes = _dynamic_shapes((args, kwargs))
+            return torch.export.export(wrapped, (args, kwargs), dynamic_shapes=shapes)
         except Exception as e:  # noqa: BLE001 - any export failure falls back to a static export
             warnings.warn(f"tkopt.compile: dynamic export failed ({type(e).__name__}: {e}); exporting with static "
                           "shapes (each new input shape will be re-exported)", stacklevel=3)
-    return torch.export.export(module, args, kwargs)
+    return torch.export.export(wrapped, (args, kwargs))
 
 
 class InductorOrEager:
@@ -157,21 +188,23 @@ class CompiledModule(nn.Module):
         return self.specializations[-1].module
 
     def specialize(self, args: tuple, kwargs: dict) -> Specialization:
+        """Export and optimize for boxed (args, kwargs) (see `forward`)."""
         ep = _export(self.module, args, kwargs, self.dynamic)
         graph = import_fx(ep)
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat, spec = pytree.tree_flatten(((args, kwargs), {}))
         device = first_device(flat)
         # Inductor on the rest: it fuses the elementwise ops tkopt leaves (RoPE, casts, masks) and calls
         # the tkopt:: ops as extern kernels, through their fake impls while tracing.
         use_inductor = device.type == "cuda" if self.inductor is None else self.inductor
         wrap = (lambda gm: InductorOrEager(gm, self.dynamic)) if use_inductor else None
-        target = TorchTarget(args, kwargs, wrap=wrap, alternatives=self._alternatives(device),
+        target = TorchTarget((args, kwargs), wrap=wrap, alternatives=self._alternatives(device),
                              cuda_graphs=self.cuda_graphs, inductor=use_inductor)
         result = optimize(graph, target, select=self.select, disable=self.disable)
         gm = result.emitted
         run = target.runner(gm) if result.winner == "tkopt" else result.artifact
         placeholders = gm.graph.find_nodes(op="placeholder")
-        examples = [node_val(p) if isinstance(x, torch.Tensor) else x for p, x in zip(placeholders, flat, strict=True)]
+        examples = [node_val(p) if isinstance(x, (torch.Tensor, int)) and not isinstance(x, bool) else x
+                    for p, x in zip(placeholders, flat, strict=True)]
         ranges = ep.range_constraints if self.dynamic else {}
         entry = Specialization(gm, result.graph, run, result.winner == "tkopt", result.report, spec, examples, ranges)
         self.specializations.append(entry)
@@ -180,17 +213,20 @@ class CompiledModule(nn.Module):
         return entry
 
     def _alternatives(self, device: torch.device) -> dict[str, Any]:
-        """What a user of this module already has, to time tkopt's result against (built on demand)."""
-        alternatives: dict[str, Any] = {"eager": lambda: self.module}
+        """What a user of this module already has, to time tkopt's result against (built on demand), called
+        as the exported program is (boxed inputs in, boxed outputs and final object states out)."""
+        alternatives: dict[str, Any] = {"eager": lambda: Exported(self.module)}
         if device.type == "cuda":
-            alternatives["inductor+cudagraphs"] = lambda: torch.compile(self.module, mode="reduce-overhead")
+            alternatives["inductor+cudagraphs"] = lambda: torch.compile(Exported(self.module), mode="reduce-overhead")
         return alternatives
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        boxer = Boxer()
+        boxed = boxer.box((args, kwargs))
+        flat, spec = pytree.tree_flatten((boxed, {}))
         index = next((i for i, e in enumerate(self.specializations) if e.accepts(spec, flat)), None)
         if index is None:
-            self.specialize(args, kwargs)
+            self.specialize(*boxed)
             index = len(self.specializations) - 1
         entry = self.specializations[index]
         if not entry.graphed:
@@ -200,13 +236,17 @@ class CompiledModule(nn.Module):
         else:
             self.uncaptured_reason = capturable(flat, entry.module)
         if self.uncaptured_reason is not None:
-            return entry.run(*args, **kwargs)
-        return self.graphs((index, signature(flat)), entry.run, flat, spec)
+            out, finals = entry.run(*boxed)
+        else:
+            out, finals = self.graphs((index, signature(flat)), entry.run, flat, spec)
+        unbox(finals, boxer.objects)  # objects passed in get the state the model left them in
+        return unbox(out, boxer.objects)[0]
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     module: nn.Module,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
     *,
     disable: Iterable[str] = (),
     dynamic: bool = True,
@@ -214,10 +254,14 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     inductor: bool | None = None,
     select: str | None = None,
 ) -> CompiledModule:
-    """Export `module` with `example_inputs`, fuse, and return a module with the same call signature.
+    """Export `module` with `example_inputs` (and keyword inputs `example_kwargs`), fuse, and return a
+    module with the same call signature and the same outputs, as torch.export takes them.
 
-    `disable` names passes to skip (tkopt.passes.pipeline.pass_names()). The result has
-    `.tkopt_report` (tkopt.report.Report: print it) and `.graph_module` (the optimized fx.GraphModule).
+    Inputs and outputs may hold objects torch's pytree does not know, such as transformers' KV caches:
+    they are flattened by their attributes (tkopt.object_trees), and a cache the model updates in place is
+    updated in place. `disable` names passes to skip (tkopt.passes.pipeline.pass_names()). The result has
+    `.tkopt_report` (tkopt.report.Report: print it) and `.graph_module` (the optimized fx.GraphModule,
+    called as `graph_module(args, kwargs)` on boxed inputs).
     `cuda_graphs` replays CUDA calls without autograd as CUDA graphs (see the module docstring).
     `inductor` compiles what tkopt left unfused with torch.compile's inductor (the fused nodes stay
     tkopt's kernels); it costs inductor's compile time per specialization. None (default): on for
@@ -226,6 +270,5 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     measured faster on the device (tkopt.pipeline); "all" keeps every fusion that has a kernel.
     """
     compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor, select)
-    args = tuple(example_inputs)
-    compiled.specialize(args, {})
+    compiled.specialize(*Boxer().box((tuple(example_inputs), dict(example_kwargs or {}))))
     return compiled

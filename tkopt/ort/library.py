@@ -69,7 +69,7 @@ class KernelLibrary:
         todo = {spec.key: spec for name, spec in self.specs.items() if name not in failed
                 and spec.key not in self.objects}
         errors: dict[tuple, str] = {}
-        for key, spec in todo.items():  # in this thread: TVM objects crash when lowered in several threads
+        for key, spec in todo.items():  # one at a time: lowering in threads measured slower here (the GIL)
             try:
                 self.kernels[key] = _lowered(spec, self.target)
             except Exception as e:  # noqa: BLE001 - any lowering failure: this kernel is unusable

@@ -290,21 +290,25 @@ def compile_objects(kernels: list[KernelSource], target: str) -> dict[str, Path 
 def link_library(bindings: list[NodeBinding], kernels: list[KernelSource], objects: list[Path], target: str,
                  op_signatures: dict[tuple[str, str], tuple[list[bool], list[bool]]], out_path: Path) -> Path:
     """The library for `bindings`: its generated main source compiled and linked with the kernels'
-    objects into `out_path`, atomically; LibraryBuildError carries the compiler output."""
+    objects into `out_path`, atomically; LibraryBuildError carries the compiler output. Libraries are
+    cached on disk by what they are built from (compiling ORT's C++ API header takes seconds)."""
+    from tkopt.cache import cache_path, digest, write_atomic
+
     out_path = Path(out_path)
     cmd = _compile_command(target)
     link = ["-shared"] if target == "cpu" else ["--shared", "-Xlinker", "--allow-multiple-definition"]
-    with tempfile.TemporaryDirectory(prefix="tkopt-lib-") as tmp:
-        main = Path(tmp) / ("tkopt_ops.cc" if target == "cpu" else "tkopt_ops.cu")
-        main.write_text(generate_main_source(bindings, kernels, target, op_signatures))
-        tmp_out = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-        try:
-            _run([*cmd, *link, f"-I{headers.include_dir()}", str(main), *map(str, objects), "-o", str(tmp_out)],
-                 target, "linking")
-        except BaseException:
-            tmp_out.unlink(missing_ok=True)
-            raise
-        os.replace(tmp_out, out_path)
+    include = headers.include_dir()
+    source = generate_main_source(bindings, kernels, target, op_signatures)
+    key = digest(source, [o.name for o in objects], cmd[1:], link, str(include), _compiler_id(cmd[0]))
+    cached = cache_path("ort-kernels", f"{key}.so")
+    if not cached.is_file():
+        with tempfile.TemporaryDirectory(prefix="tkopt-lib-") as tmp:
+            main = Path(tmp) / ("tkopt_ops.cc" if target == "cpu" else "tkopt_ops.cu")
+            main.write_text(source)
+            built = Path(tmp) / "lib.so"
+            _run([*cmd, *link, f"-I{include}", str(main), *map(str, objects), "-o", str(built)], target, "linking")
+            write_atomic(cached, built.read_bytes())
+    write_atomic(out_path, cached.read_bytes())
     return out_path
 
 

@@ -105,7 +105,8 @@ class TorchTarget(Target):
     # ---- kernels ----------------------------------------------------------------------------------
     def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
         """Compile and run each distinct kernel once on small random inputs; nodes with the same signature
-        share one probe (and one compiled kernel: the kernels cache them by compile-time key)."""
+        share one probe (and one compiled kernel: the kernels cache them by compile-time key). One at a
+        time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
         if not use_kernels():
             return {}
         groups: dict[str, list[Node]] = {}
