@@ -39,11 +39,14 @@ def versions() -> dict[str, str]:
     for pkg in (tkopt.kernels, tkopt.fused_ops):
         for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
             h.update(path.name.encode() + path.read_bytes())
-    return {
-        "tkopt": importlib.metadata.version("tkopt"),
-        "tilelang": importlib.metadata.version("tilelang"),
-        "sources": h.hexdigest()[:16],
-    }
+    return {"tkopt": _version("tkopt"), "tilelang": _version("tilelang"), "sources": h.hexdigest()[:16]}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree (the GPU session's shim)
+        return "unknown"
 
 
 def digest(*parts: Any) -> str:
