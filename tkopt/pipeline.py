@@ -45,7 +45,7 @@ from tkopt.targets import Measured, Target
 # layout copy, an ORT or inductor fusion it blocks); a smaller win is not worth that risk.
 MARGIN = 1.10
 # The whole graph stays tkopt's only if it is at least 2% faster than the best plain alternative: whole-
-# model medians are steadier than a node's, and on a tie the user's own model is the safer answer.
+# model times are steadier than a node's, and on a tie the user's own model is the safer answer.
 WHOLE_MARGIN = 1.02
 SELECT_SECONDS = 600.0  # default bound on measuring one graph's candidates (TKOPT_SELECT_SECONDS)
 SELECT_MODES = ("measured", "all")
@@ -143,11 +143,11 @@ def _decide(d: NodeDecision, decision: str, reason: str = "") -> None:
 
 
 def _wins(fused: Timing, unfused: Timing) -> bool:
-    return unfused.median_ms >= MARGIN * fused.median_ms
+    return unfused.min_ms >= MARGIN * fused.min_ms
 
 
 def _entry(m: Measured) -> dict[str, Any]:
-    sizes = [{"label": label, "fused_ms": f.median_ms, "unfused_ms": u.median_ms}
+    sizes = [{"label": label, "fused_ms": f.min_ms, "unfused_ms": u.min_ms}
              for label, (f, u) in zip(m.labels, m.sizes, strict=True)]
     kept = m.error is None and bool(m.sizes) and all(_wins(f, u) for f, u in m.sizes)
     return {"kept": kept, "sizes": sizes, "error": m.error, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -212,15 +212,15 @@ def _whole(graph: Graph, target: Target, artifact: Any, cache: DecisionCache) ->
     key = target.whole_key(graph, artifact)
     entry = cache.get(key)
     if entry is not None:
-        return WholeGraph(entry["winner"], entry["medians_ms"], cached=True)
+        return WholeGraph(entry["winner"], entry["times_ms"], cached=True)
     try:
-        medians = {k: t.median_ms for k, t in target.compare_whole(graph, artifact).items()}
+        times = {k: t.min_ms for k, t in target.compare_whole(graph, artifact).items()}
     except Exception as e:  # noqa: BLE001 - an alternative that fails is no alternative: keep tkopt's
         return WholeGraph("tkopt", {}, note=f"not compared: {type(e).__name__}: {e}")
-    best = min((k for k in medians if k != "tkopt"), key=medians.__getitem__)
-    winner = "tkopt" if medians["tkopt"] * WHOLE_MARGIN <= medians[best] else best
-    cache.put(key, {"winner": winner, "medians_ms": medians, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return WholeGraph(winner, medians)
+    best = min((k for k in times if k != "tkopt"), key=times.__getitem__)
+    winner = "tkopt" if times["tkopt"] * WHOLE_MARGIN <= times[best] else best
+    cache.put(key, {"winner": winner, "times_ms": times, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return WholeGraph(winner, times)
 
 
 @contextlib.contextmanager

@@ -27,8 +27,8 @@ DECISIONS = ("kept", "slower", "kernel_failed", "declined")
 
 @dataclass
 class NodeDecision:
-    """One candidate fusion and what became of it. Times are medians at the measured size where the
-    decision fell (the last one measured); `cached`: the decision was read from the decision cache."""
+    """One candidate fusion and what became of it. Times are the fastest calls (tkopt.measure.compare) at
+    the size where the decision fell (the last one measured); `cached`: read from the decision cache."""
 
     node: str
     op: str
@@ -52,7 +52,7 @@ class WholeGraph:
     """The final graph against the plain alternatives the user already has, at the example inputs."""
 
     winner: str  # "tkopt" or the name of the alternative that was faster
-    medians_ms: dict[str, float]  # variant -> median latency
+    times_ms: dict[str, float]  # variant -> its fastest call (tkopt.measure.compare says why the fastest)
     cached: bool = False
     note: str = ""
 
@@ -150,7 +150,7 @@ class Report:
             console.print(self._node_table(verbose))
         if self.whole_graph is not None:
             w = self.whole_graph
-            ordered = sorted(w.medians_ms.items(), key=lambda kv: kv[0] != "tkopt")
+            ordered = sorted(w.times_ms.items(), key=lambda kv: kv[0] != "tkopt")
             times = ", ".join(f"{k} {v:.3f} ms" for k, v in ordered)
             console.print(f"whole graph: {times}: [bold]{w.winner}[/bold] runs" + (" (cached)" if w.cached else "")
                           + (f"; {w.note}" if w.note else ""))

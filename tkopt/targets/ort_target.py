@@ -77,6 +77,7 @@ class OrtTarget(Target):
         self.workdir = Path(workdir)
         self.sizes = tuple(sizes)
         self.library = KernelLibrary(arch) if arch is not None else None
+        self.small: list[dict[str, np.ndarray]] | None = None  # fused nodes' inputs at _PROBE_SIZES
         self.feeds: list[tuple[str, dict[str, np.ndarray]]] | None = None  # (label, values) per size
         self.node_timer = Timer("cpu", runs=20, warmup=1, max_seconds=1.0)
         self.whole_timer = Timer("cpu", runs=20, warmup=2, max_seconds=3.0)
@@ -101,8 +102,8 @@ class OrtTarget(Target):
 
         import onnxruntime as ort
 
-        return {"device": f"{cpu_model()} x{os.cpu_count()}",
-                "onnxruntime": ort.__version__, "providers": run.providers(self.arch)}
+        return {"device": f"{cpu_model()} x{os.cpu_count()}", "onnxruntime": ort.__version__,
+                "providers": run.providers(self.arch), "sizes": self.sizes}
 
     # ---- kernels ----------------------------------------------------------------------------------
     def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
@@ -110,8 +111,17 @@ class OrtTarget(Target):
         measured first, since kernels need static dims at build time."""
         if self.library is None:
             return {}
-        fill_static_dims(graph, self.original)
+        fill_static_dims(graph, self._small(graph))
         return self.library.prepare(nodes)
+
+    def _small(self, graph: Graph) -> list[dict[str, np.ndarray]]:
+        """The fused nodes' inputs as the original model computes them at two small sizes (cheap runs): what
+        tells static dims from dynamic ones, and identifies a node's shapes in its decision key."""
+        if self.small is None:
+            names = [v.name for n in graph.nodes if n.is_fused for v in outer_inputs([n])]
+            self.small = [run.capture(self.original, names, run.make_inputs(self.original, sizes=s))
+                          for s in _PROBE_SIZES]
+        return self.small
 
     # ---- measurement ------------------------------------------------------------------------------
     def _sized_feeds(self, graph: Graph) -> list[tuple[str, dict[str, np.ndarray]]]:
@@ -139,6 +149,8 @@ class OrtTarget(Target):
         return self.feeds
 
     def node_key(self, graph: Graph, node: Node) -> Any:
+        """Input shapes at the two small probe sizes stand for the shapes at the representative sizes (in
+        the fingerprint): they fix the static dims and how the dynamic ones grow, without a big run."""
         shapes = []
         for v in node.inputs:
             if v is None:
@@ -147,7 +159,7 @@ class OrtTarget(Target):
                 shapes.append([v.dtype, list(np.shape(v.const))])
             else:
                 shapes.append([v.dtype, [list(vals[v.name].shape) if v.name in vals else v.shape
-                                         for _, vals in self._sized_feeds(graph)]])
+                                         for vals in self._small(graph)]])
         return [node.op, schema(node.op).full_attrs(node.attrs), replaced_signature(node), shapes]
 
     def measure(self, graph: Graph, nodes: list[Node], wins: Wins) -> Iterator[Measured]:
@@ -200,8 +212,7 @@ class OrtTarget(Target):
         nodes = [[n.op_type, n.domain, list(n.input), list(n.output),
                   [str(a) for a in n.attribute if a.type != onnx.AttributeProto.TENSOR]] for n in g.node]
         inits = [[t.name, t.data_type, list(t.dims)] for t in g.initializer]
-        label, feeds = self._whole_feeds(graph)
-        return ["whole", digest(nodes, inits), label, {k: list(a.shape) for k, a in feeds.items()}]
+        return ["whole", digest(nodes, inits)]
 
     def compare_whole(self, graph: Graph, artifact: OnnxArtifact) -> dict[str, Timing]:
         """The optimized model on its library against the original in plain ORT, at the first size."""
@@ -227,21 +238,17 @@ class _Run:
         return lambda: self.session.run(self.outputs, feeds)
 
 
-def fill_static_dims(graph: Graph, model: onnx.ModelProto) -> int:
-    """Measure the dims of fused nodes' inputs that shape inference left unknown.
+def fill_static_dims(graph: Graph, runs: Sequence[dict[str, np.ndarray]]) -> int:
+    """Fill in the dims of fused nodes' inputs that shape inference left unknown, from two runs.
 
     Exports with dynamic axes often lose static sizes after computed Reshapes (a head dim of
-    `(batch, seq, 4, ?)`), and a kernel needs them at build time. The original model runs in ORT at
-    two batch/sequence sizes; a dim equal in both runs is static and filled in; one that differs is
-    dynamic and stays unknown. The generated C++ checks every static dim again at run time.
-    Returns how many dims were filled.
+    `(batch, seq, 4, ?)`), and a kernel needs them at build time. `runs` holds the values the original
+    model computes at two batch/sequence sizes; a dim equal in both runs is static and filled in; one
+    that differs is dynamic and stays unknown. The generated C++ checks every static dim again at run
+    time. Returns how many dims were filled.
     """
     values = {id(v): v for n in graph.nodes if n.is_fused for v in n.inputs
               if v is not None and v.const is None and v.shape is not None and None in v.shape}
-    if not values:
-        return 0
-    names = [v.name for v in values.values()]
-    runs = [run.capture(model, names, run.make_inputs(model, sizes=sizes)) for sizes in _PROBE_SIZES]
     filled = 0
     for v in values.values():
         if v.name not in runs[0] or v.name not in runs[1]:
