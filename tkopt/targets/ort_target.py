@@ -78,7 +78,7 @@ class OrtTarget(Target):
         self.sizes = tuple(sizes)
         self.library = KernelLibrary(arch) if arch is not None else None
         self.small: list[dict[str, np.ndarray]] | None = None  # fused nodes' inputs at _PROBE_SIZES
-        self.feeds: list[tuple[str, dict[str, np.ndarray]]] | None = None  # (label, values) per size
+        self.runnable: list[tuple[str, dict[str, np.ndarray]]] | None = None  # (label, feeds) per size
         self.node_timer = Timer("cpu", runs=20, warmup=1, max_seconds=1.0)
         self.whole_timer = Timer("cpu", runs=20, warmup=2, max_seconds=3.0)
 
@@ -124,29 +124,32 @@ class OrtTarget(Target):
         return self.small
 
     # ---- measurement ------------------------------------------------------------------------------
-    def _sized_feeds(self, graph: Graph) -> list[tuple[str, dict[str, np.ndarray]]]:
-        """Per representative size: the values every fused node and its replaced nodes read, as the original
-        model computes them. A size the model cannot run (positions beyond its embeddings, a fixed mask)
-        is halved along the sequence until it runs."""
-        if self.feeds is None:
-            fused = [n for n in graph.nodes if n.is_fused]
-            names = [v.name for n in fused for v in (*outer_inputs([n]), *outer_inputs(n.replaced))]
-            self.feeds, seen = [], set()
-            for batch, seq in self.sizes:
-                while seq >= _PROBE_SIZES[0][1]:
-                    feeds = run.make_inputs(self.original, sizes=(batch, seq))
-                    shapes = tuple((k, a.shape) for k, a in feeds.items())
-                    if shapes in seen:  # static inputs: every size is the same
-                        break
-                    try:
-                        values = run.capture(self.original, names, feeds, run.providers(self.arch), quiet=True)
-                    except Exception:  # noqa: BLE001 - too big for this model: try a shorter sequence
-                        seq //= 2
-                        continue
-                    seen.add(shapes)
-                    self.feeds.append((f"batch {batch}, seq {seq}", values))
+    def _sized(self, names: list[str]) -> list[tuple[str, dict[str, np.ndarray]]]:
+        """Per representative size: a label, and the feeds with the named values as the original model
+        computes them. A size the model cannot run (positions beyond its embeddings, a fixed mask) is
+        halved along the sequence until it runs; the sizes that ran are kept for later calls."""
+        providers = run.providers(self.arch)
+        if self.runnable is not None:
+            return [(label, run.capture(self.original, names, feeds, providers)) for label, feeds in self.runnable]
+        self.runnable, out, seen = [], [], set()
+        for batch, seq in self.sizes:
+            while seq >= _PROBE_SIZES[0][1]:
+                feeds = run.make_inputs(self.original, sizes=(batch, seq))
+                shapes = tuple((k, a.shape) for k, a in feeds.items())
+                if shapes in seen:  # static inputs: every size is the same
                     break
-        return self.feeds
+                try:
+                    values = run.capture(self.original, [*names, self.original.graph.output[0].name], feeds,
+                                         providers, quiet=True)
+                except Exception:  # noqa: BLE001 - too big for this model: try a shorter sequence
+                    seq //= 2
+                    continue
+                seen.add(shapes)
+                label = f"batch {batch}, seq {seq}"
+                self.runnable.append((label, feeds))
+                out.append((label, values))
+                break
+        return out
 
     def node_key(self, graph: Graph, node: Node) -> Any:
         """Input shapes at the two small probe sizes stand for the shapes at the representative sizes (in
@@ -163,7 +166,7 @@ class OrtTarget(Target):
         return [node.op, schema(node.op).full_attrs(node.attrs), replaced_signature(node), shapes]
 
     def measure(self, graph: Graph, nodes: list[Node], wins: Wins) -> Iterator[Measured]:
-        sized = self._sized_feeds(graph)
+        sized = self._sized([v.name for n in nodes for v in (*outer_inputs([n]), *outer_inputs(n.replaced))])
         assert self.library is not None
         library = self.library.link(nodes, self.workdir / "candidates.so")
         providers = run.providers(self.arch)
@@ -196,14 +199,12 @@ class OrtTarget(Target):
     def alternative(self, name: str) -> OnnxArtifact:
         return OnnxArtifact(self.original)
 
-    def _whole_feeds(self, graph: Graph) -> tuple[str, dict[str, np.ndarray]]:
+    def _whole_feeds(self) -> dict[str, np.ndarray]:
         """The original model's inputs at the first representative size it runs at."""
-        sized = self._sized_feeds(graph)
-        if not sized:
+        self._sized([])
+        if not self.runnable:
             raise ValueError("the model ran at none of the representative sizes")
-        label, values = sized[0]
-        inits = {t.name for t in self.original.graph.initializer}
-        return label, {i.name: values[i.name] for i in self.original.graph.input if i.name not in inits}
+        return self.runnable[0][1]
 
     def whole_key(self, graph: Graph, artifact: OnnxArtifact) -> Any:
         from tkopt.cache import digest
@@ -216,7 +217,7 @@ class OrtTarget(Target):
 
     def compare_whole(self, graph: Graph, artifact: OnnxArtifact) -> dict[str, Timing]:
         """The optimized model on its library against the original in plain ORT, at the first size."""
-        _, feeds = self._whole_feeds(graph)
+        feeds = self._whole_feeds()
         providers = run.providers(self.arch)
         out = {}
         for name, art in (("tkopt", artifact), ("ort", self.alternative("ort"))):
