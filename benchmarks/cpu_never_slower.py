@@ -63,13 +63,15 @@ def build(name: str) -> tuple[torch.nn.Module, str, int, int]:
 
 
 def rounds(variants: dict[str, Callable[[], Any]], runs: int, warmup: int) -> dict[str, dict[str, float]]:
-    """{"median": ms per variant, "min": ms per variant}; each round calls every variant once, in turn."""
+    """{"median": ms per variant, "min": ms per variant}; each round calls every variant once, in turn, in
+    alternating order."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(runs):
-        for k, fn in variants.items():
+    order = list(variants.items())
+    for i in range(runs):
+        for k, fn in order if i % 2 == 0 else order[::-1]:  # alternate the order: no variant always goes first
             t0 = time.perf_counter()
             fn()
             samples[k].append((time.perf_counter() - t0) * 1e3)
