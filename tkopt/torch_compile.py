@@ -199,7 +199,7 @@ class CompiledModule(nn.Module):
         wrap = (lambda gm: InductorOrEager(gm, self.dynamic)) if use_inductor else None
         target = TorchTarget((args, kwargs), wrap=wrap, alternatives=self._alternatives(device),
                              cuda_graphs=self.cuda_graphs, inductor=use_inductor)
-        result = optimize(graph, target, select=self.select, disable=self.disable)
+        result = optimize(graph, target, select=self.select, disable=self.disable, source=type(self.module).__name__)
         gm = result.emitted
         run = target.runner(gm) if result.winner == "tkopt" else result.artifact
         placeholders = gm.graph.find_nodes(op="placeholder")

@@ -70,7 +70,7 @@ def optimize_graph_module(
     on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
     graphed = replay_as_cuda_graphs if cuda_graphs and on_gpu else (lambda m: m)
     target = TorchTarget(args, wrap=graphed, alternatives={"eager": lambda: graphed(gm)}, cuda_graphs=False)
-    result = optimize(import_fx(gm), target, select=select, disable=disable)
+    result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile forward graph")
     out = result.emitted if result.winner == "tkopt" else gm
     out.tkopt_report = report = result.report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.passes.nodes_before,
