@@ -84,6 +84,8 @@ def summary(report: Any) -> dict[str, Any]:
     return {"candidates": sum(report.passes.fusions.values()), "kept": report.total_fused,
             "decisions": {d: len(report.decided(d)) for d in ("kept", "slower", "kernel_failed", "declined")},
             "kept_ops": sorted({n.op for n in report.decided("kept")}),
+            "speedups": {op: [round(min(xs), 2), round(max(xs), 2)] for op in sorted({n.op for n in report.nodes})
+                         if (xs := [n.speedup for n in report.nodes if n.op == op and n.speedup is not None])},
             "whole_graph": None if w is None else {"winner": w.winner, "times_ms": w.times_ms},
             "seconds": report.seconds}
 
@@ -185,7 +187,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             s = r.get(side, {})
             if s.get("report"):
                 rep = s["report"]
-                lines.append(f"- {r['model']} {side}: {rep['decisions']}, kept ops {rep['kept_ops']}, whole graph "
+                lines.append(f"- {r['model']} {side}: {rep['decisions']}, kept ops {rep['kept_ops']}, speedup range "
+                             f"per op {rep.get('speedups')}, whole graph "
                              f"{rep['whole_graph']}, stage seconds "
                              + ", ".join(f"{k} {v:.1f}" for k, v in rep["seconds"].items()))
             if s.get("ort_optimizer_error"):
