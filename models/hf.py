@@ -69,7 +69,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     tf = _transformers()
     cls = tf.AutoConfig.for_model(model_type).__class__
     known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
-    return cls(**{k: v for k, v in TINY.items() if k in known}, **overrides)
+    return cls(**{**{k: v for k, v in TINY.items() if k in known}, **overrides})
 
 
 def tiny_causal_lm(model_type: str, **overrides: Any) -> nn.Module:

@@ -32,14 +32,21 @@ class OutputError:
 class Accuracy:
     """Per-output errors and how each side ran (unfused: ORT; fused: "ort", "hybrid" or "reference")."""
 
-    outputs: list[OutputError]
+    outputs: list[OutputError]  # per output, the worst error over all runs
     fused_runner: str
     unfused_runner: str = "ort"
-    inputs: dict[str, list[int]] = field(default_factory=dict)  # input name -> shape used
+    inputs: dict[str, list[int]] = field(default_factory=dict)  # input name -> shape, the first (example) run
+    runs: list[dict[str, list[int]]] = field(default_factory=list)  # the input shapes of every run
+    skipped: list[str] = field(default_factory=list)  # sizes the original would not run at, and why
 
     @property
     def ok(self) -> bool:
         return all(o.ok for o in self.outputs)
+
+    @property
+    def checked(self) -> bool:
+        """False when the original ran at no size tried: nothing was compared (`skipped` says why)."""
+        return bool(self.runs)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -59,23 +66,26 @@ def _as_float64(x: Any) -> tuple[np.ndarray, str]:
     return x.detach().to("cpu", torch.float64).numpy(), str(x.dtype).removeprefix("torch.")
 
 
-def output_error(name: str, got: Any, want: Any) -> OutputError:
-    """max abs / max rel error (relative to max |want|) of `got` against `want`, in float64, NaN-aware:
-    NaN where `want` has NaN matches, NaN elsewhere is an infinite error. Arrays or tensors; any other
-    value (a Python scalar output) must be equal."""
+def output_error(name: str, got: Any, want: Any, dtype: str | None = None) -> OutputError:
+    """max abs / max rel error (relative to the largest finite |want|) of `got` against `want`, in float64:
+    NaN where `want` has NaN and the same infinity match, any other NaN is an infinite error. Arrays or
+    tensors (`dtype` names the original dtype when they were upcast, e.g. bfloat16 held as float32); any
+    other value (a Python scalar output) must be equal."""
     if not hasattr(want, "dtype") or not hasattr(want, "shape"):
         same = got == want
         err = 0.0 if same else float("inf")
         return OutputError(name, type(want).__name__, [], err, err, 0.0)
-    w, dtype = _as_float64(want)
+    w, want_dtype = _as_float64(want)
+    dtype = dtype or want_dtype
     tol = TOLERANCES.get(dtype, DEFAULT_TOLERANCE)
     if not hasattr(got, "shape") or tuple(got.shape) != tuple(want.shape):
         return OutputError(name, dtype, list(want.shape), float("inf"), float("inf"), tol)
     g, _ = _as_float64(got)
-    diff = np.where(np.isnan(g) & np.isnan(w), 0.0, np.abs(g - w))
+    same = (np.isnan(g) & np.isnan(w)) | (np.isinf(g) & (g == w))
+    diff = np.where(same, 0.0, np.abs(g - w))
     diff = np.where(np.isnan(diff), np.inf, diff)
     max_abs = float(diff.max()) if diff.size else 0.0
-    finite = np.abs(w[~np.isnan(w)])
+    finite = np.abs(w[np.isfinite(w)])
     scale = float(finite.max()) if finite.size else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
     return OutputError(name, dtype, list(want.shape), max_abs, max_rel, tol)

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from tkopt.accuracy import Accuracy, output_error
+from tkopt.accuracy import Accuracy
 from tkopt.backends.onnx_model import check, save
+from tkopt.differential import AccuracyError, onnx_dims, sweep, trial_sizes
 from tkopt.frontends.onnx import import_onnx, load_model
 from tkopt.onnx_runtime_ref import has_fused_nodes, native_library, run_model
 from tkopt.ort.library import check_target
@@ -23,10 +24,6 @@ from tkopt.report import Report
 from tkopt.targets.ort_target import OrtTarget
 
 ModelLike = str | Path | onnx.ModelProto
-
-
-class AccuracyError(RuntimeError):
-    """The fused model's outputs do not match the original's within tolerance."""
 
 
 def optimize_onnx(
@@ -110,21 +107,18 @@ def compare_onnx(
 ) -> Accuracy:
     """Per-output max abs/rel error of the optimized (fused) model against the original run in ORT.
 
+    Without `inputs`, both run at several sizes of the symbolic dims (tkopt.differential.trial_sizes:
+    the default sizes, 1, odd, longer); per output the worst error counts, and `runs` lists the sizes.
     The fused model runs in ORT with the native tkopt op library when one is configured, else
     "hybrid": its standard ops in ORT and the fused ops with tkopt's torch references.
     """
     orig = original if isinstance(original, onnx.ModelProto) else load_model(original)[0]
     opt = optimized if isinstance(optimized, onnx.ModelProto) else load_model(optimized)[0]
-    feeds = dict(inputs) if inputs is not None else make_inputs(orig, seed)
-    want = run_model(orig, feeds, provider="ort")
+    if inputs is not None:
+        feeds = [dict(inputs)]
+    else:
+        feeds = [make_inputs(orig, seed, dims=sizes) for sizes in trial_sizes(onnx_dims(orig))]
     lib = custom_ops_library or native_library()
     fused_runner = "ort" if not has_fused_nodes(opt) or lib else "hybrid"
-    got = run_model(opt, feeds, provider=fused_runner, custom_ops_library=lib)
-    missing = set(want) - set(got)
-    if missing:
-        raise ValueError(f"optimized model lacks outputs {sorted(missing)}")
-    return Accuracy(
-        outputs=[output_error(name, got[name], want[name]) for name in want],
-        fused_runner=fused_runner,
-        inputs={k: list(v.shape) for k, v in feeds.items()},
-    )
+    return sweep(feeds, lambda f: run_model(orig, f, provider="ort"),
+                 lambda f: run_model(opt, f, provider=fused_runner, custom_ops_library=lib), fused_runner)

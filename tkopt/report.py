@@ -214,6 +214,20 @@ class Report:
     def _render_accuracy(self, console: Console) -> None:
         a = self.accuracy
         assert a is not None
+        if not a.checked:
+            console.print(f"[yellow]accuracy check skipped[/yellow]: {a.skipped[0] if a.skipped else 'no run'}")
+            return
+        console.print(f"accuracy checked at {len(a.runs)} input size(s): "
+                      + "; ".join(", ".join(f"{k} {v}" for k, v in r.items()) for r in a.runs))
+        for why in a.skipped:
+            console.print(f"  not checked at {why}")
+        if not a.checked:
+            console.print(f"[yellow]accuracy check skipped[/yellow]: {a.skipped[0] if a.skipped else 'no run'}")
+            return
+        console.print(f"accuracy checked at {len(a.runs)} input size(s): "
+                      + "; ".join(", ".join(f"{k} {v}" for k, v in r.items()) for r in a.runs))
+        for why in a.skipped:
+            console.print(f"  not checked at {why}")
         t = Table(title=f"fused ({a.fused_runner}) vs unfused ({a.unfused_runner})")
         for col in ("output", "dtype", "shape", "max abs", "max rel", "tol", ""):
             t.add_column(col)

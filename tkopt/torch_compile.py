@@ -33,7 +33,9 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export import Dim
 
+from tkopt.accuracy import Accuracy
 from tkopt.cuda_graphs import GraphCache, capturable, signature
+from tkopt.differential import AccuracyError, check_module
 from tkopt.frontends.fx import import_fx, node_val
 from tkopt.ir import Graph
 from tkopt.object_trees import Boxed, Boxer, unbox
@@ -56,6 +58,7 @@ class Specialization:
     in_spec: pytree.TreeSpec
     inputs: list[Any]  # per flat input: its placeholder's example value (FakeTensor) or the constant
     ranges: dict[sympy.Symbol, Any]
+    accuracy: Accuracy | None = None  # with check_accuracy: fused against eager at several admitted sizes
 
     def accepts(self, spec: pytree.TreeSpec, flat: Sequence[Any]) -> bool:
         if spec != self.in_spec or len(flat) != len(self.inputs):
@@ -165,8 +168,9 @@ class CompiledModule(nn.Module):
     """Calls the optimized program matching the inputs; exports and optimizes a new one if none does."""
 
     def __init__(self, module: nn.Module, disable: Iterable[str], dynamic: bool, cuda_graphs: bool,
-                 inductor: bool | None, select: str | None) -> None:
+                 inductor: bool | None, select: str | None, check_accuracy: bool = False) -> None:
         super().__init__()
+        self.check_accuracy = check_accuracy
         self.module = module  # the eager original: what every new specialization is exported from
         self.disable = tuple(disable)
         self.select = select
@@ -181,6 +185,11 @@ class CompiledModule(nn.Module):
     def tkopt_report(self) -> Report:
         """The report of the latest specialization (`print` it for the table)."""
         return self.specializations[-1].report
+
+    @property
+    def tkopt_accuracy(self) -> Accuracy | None:
+        """The latest program's accuracy check (check_accuracy=True), with the input sizes it ran."""
+        return self.specializations[-1].accuracy
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -207,6 +216,19 @@ class CompiledModule(nn.Module):
                     for p, x in zip(placeholders, flat, strict=True)]
         ranges = ep.range_constraints if self.dynamic else {}
         entry = Specialization(gm, result.graph, run, result.winner == "tkopt", result.report, spec, examples, ranges)
+        if self.check_accuracy:
+            def eager(*a: Any, **kw: Any) -> Any:
+                a, kw = unbox((a, kw))[0]
+                return self.module(*a, **kw)
+
+            def fused(*a: Any, **kw: Any) -> Any:
+                return unbox(run(a, kw)[0])[0]
+
+            entry.accuracy = check_module(eager, fused, examples, ranges, args, kwargs)
+            if not entry.accuracy.ok:
+                bad = [o.name for o in entry.accuracy.outputs if not o.ok]
+                raise AccuracyError(f"tkopt.compile: fused outputs {bad} differ from eager beyond tolerance: "
+                                    f"{entry.accuracy.outputs}")
         self.specializations.append(entry)
         if len(self.specializations) > 1:
             log.info("tkopt.compile: optimized specialization %d for a new input signature", len(self.specializations))
@@ -245,7 +267,7 @@ class CompiledModule(nn.Module):
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     module: nn.Module,
-    example_inputs: Sequence[Any] = (),
+    example_inputs: Sequence[Any] | torch.Tensor = (),
     example_kwargs: dict[str, Any] | None = None,
     *,
     disable: Iterable[str] = (),
@@ -253,9 +275,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     cuda_graphs: bool = True,
     inductor: bool | None = None,
     select: str | None = None,
+    check_accuracy: bool = False,
 ) -> CompiledModule:
-    """Export `module` with `example_inputs` (and keyword inputs `example_kwargs`), fuse, and return a
-    module with the same call signature and the same outputs, as torch.export takes them.
+    """Export `module` with `example_inputs` (its positional arguments; a lone tensor is the one argument)
+    and keyword inputs `example_kwargs`, fuse, and return a module with the same call signature and the
+    same outputs, as torch.export takes them.
 
     Inputs and outputs may hold objects torch's pytree does not know, such as transformers' KV caches:
     they are flattened by their attributes (tkopt.object_trees), and a cache the model updates in place is
@@ -268,7 +292,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     CUDA inputs, where it measured 1.2-1.6x faster than running the leftovers eagerly (H200).
     `select`: "measured" (the default wherever kernels run) keeps only fusions, and a result, that
     measured faster on the device (tkopt.pipeline); "all" keeps every fusion that has a kernel.
+    `check_accuracy` runs each optimized program against eager at several sizes its dims admit
+    (tkopt.differential; `.tkopt_accuracy` lists them) and raises AccuracyError on a mismatch.
     """
-    compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor, select)
-    compiled.specialize(*Boxer().box((tuple(example_inputs), dict(example_kwargs or {}))))
+    compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor, select, check_accuracy)
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    compiled.specialize(*Boxer().box((args, dict(example_kwargs or {}))))
     return compiled

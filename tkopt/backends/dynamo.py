@@ -1,14 +1,18 @@
 """torch.compile backend "tkopt": `torch.compile(model, backend="tkopt")`.
 
-Dynamo's graph is lowered by AOTAutograd first, so tkopt sees the same aten ops as from
-torch.export (one op mapping, functionalized, parameters as graph inputs) and training keeps
-working: autograd is derived from the original graph, and only the forward graph is optimized
-(a fusion whose intermediates backward needs is refused as illegal, since they are graph outputs).
-Registered through the `torch_dynamo_backends` entry point in pyproject.toml.
+Dynamo's graph is traced to a functional aten graph of the forward first (torch's fused inference
+fast paths decomposed, tkopt.frontends.fast_paths), so tkopt sees the same aten ops as from
+torch.export, and is fused there: before AOTAutograd differentiates it. The fused nodes are tkopt::
+custom ops with an autograd formula (their reference, recomputed from their saved inputs), so in
+training AOTAutograd saves the fused ops' inputs and the backward recomputes what it needs: no
+fusion is refused because backward needs an intermediate. Under no_grad the same fused graph is
+AOTAutograd's inference graph. Registered through the `torch_dynamo_backends` entry point in
+pyproject.toml.
 
-The forward graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default,
-on real stand-ins for Dynamo's fake example inputs); where the whole optimized graph measures slower
-than the forward graph as traced, the traced one runs. `tkopt.last_report()` shows what happened.
+The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on
+real stand-ins for Dynamo's fake example inputs); where the optimized graph measures slower as a whole
+than the aten graph as traced, the traced one goes to AOTAutograd. `tkopt.last_report()` shows what
+happened.
 
 On CUDA the optimized forward graph is replayed as a CUDA graph per input signature, as in
 tkopt.compile (tkopt.cuda_graphs); parameters, which Dynamo passes as graph inputs, are captured
@@ -17,6 +21,7 @@ where they live instead of being copied in on every call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -25,10 +30,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+from torch._dynamo.symbolic_convert import TensorifyState
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tkopt.cuda_graphs import GraphCache, capturable, signature
-from tkopt.frontends.fx import import_fx
+from tkopt.frontends.fast_paths import FAST_PATH_DECOMPOSITIONS
+from tkopt.frontends.fx import import_fx, node_val
 from tkopt.pipeline import optimize
 from tkopt.targets.torch_target import TorchTarget
 
@@ -36,10 +46,9 @@ log = logging.getLogger(__name__)
 
 
 def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
-    """Real stand-ins for Dynamo's fake example inputs, to measure on: each tensor's shape (symbolic sizes
-    at their hints), dtype and device, with random floats, zero integers (valid indices) and true bools;
-    SymInts as their hints."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    """Real inputs to measure on: real tensors as they are; for Dynamo's fakes, tensors of their shapes
+    (symbolic sizes at their hints), dtypes and devices, with random floats, zero integers (valid
+    indices) and true bools; SymInts as their hints."""
 
     def hint(d: Any) -> int:
         return d if isinstance(d, int) else int(d.node.hint)
@@ -47,7 +56,7 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     out: list[Any] = []
     with unset_fake_temporarily():
         for x in example_inputs:
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, FakeTensor):
                 shape = [hint(d) for d in x.shape]
                 if x.is_floating_point():
                     out.append(torch.randn(shape, dtype=x.dtype, device=x.device))
@@ -62,35 +71,80 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
 def optimize_graph_module(
     gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = (), select: str | None = None,
     cuda_graphs: bool = True,
-) -> tuple[fx.GraphModule, Callable[..., Any]]:
-    """Optimize an aten-level forward GraphModule through tkopt.pipeline. Returns the module that runs
-    (tkopt's, or `gm` itself where the whole graph measured faster as traced), with the report in
-    `.tkopt_report`, and the callable to run it by (on CUDA: replayed as CUDA graphs)."""
-    args = real_inputs(example_inputs)
-    on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
-    graphed = replay_as_cuda_graphs if cuda_graphs and on_gpu else (lambda m: m)
-    target = TorchTarget(args, wrap=graphed, alternatives={"eager": lambda: graphed(gm)}, cuda_graphs=False)
-    result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile forward graph")
+) -> fx.GraphModule:
+    """Optimize an aten-level GraphModule through tkopt.pipeline: the module to run (tkopt's, or `gm` itself
+    where it measured faster as a whole), with the report in `.tkopt_report`.
+
+    AOTAutograd may call its compilers inside its FakeTensorMode (inference graphs do); tkopt reads the
+    graph's real constants and probes kernels on real tensors, so it leaves that mode while it works.
+    """
+    with unset_fake_temporarily():
+        args = real_inputs(example_inputs)
+        on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
+        graphed = (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
+        target = TorchTarget(args, wrap=graphed, alternatives={"eager": lambda: graphed(gm)}, cuda_graphs=False)
+        result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile graph")
     out = result.emitted if result.winner == "tkopt" else gm
     out.tkopt_report = report = result.report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.passes.nodes_before,
              report.nodes_after)
-    return out, target.runner(out) if result.winner == "tkopt" else result.artifact
+    return out
 
 
-def replay_as_cuda_graphs(gm: fx.GraphModule) -> Callable[..., Any]:
-    """`gm`'s forward, replayed as a CUDA graph per input signature when its inputs are CUDA tensors."""
+def replay_as_cuda_graphs(gm: fx.GraphModule, owner: fx.GraphModule) -> Callable[..., Any]:
+    """`gm`'s forward, replayed as a CUDA graph per input signature when its inputs are CUDA tensors.
+    `owner` (the optimized graph `gm` was made from) gets the cache and why the latest call ran uncaptured."""
     cache = GraphCache()
-    gm.tkopt_graphs = cache
+    owner.tkopt_graphs = cache
 
     def run(*args: Any) -> Any:
-        gm.tkopt_uncaptured_reason = capturable(args, gm)
-        if gm.tkopt_uncaptured_reason is not None:
+        owner.tkopt_uncaptured_reason = capturable(args, gm)
+        if owner.tkopt_uncaptured_reason is not None:
             return gm(*args)
         flat, spec = pytree.tree_flatten((args, {}))
         return cache(signature(flat), gm, flat, spec, in_place=lambda t: isinstance(t, nn.Parameter))
 
     return run
+
+
+def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Dynamo's torch-level graph as a functional aten graph of its forward (no autograd recorded), torch's
+    fused fast paths decomposed: the graph tkopt fuses. Traced on Dynamo's fake inputs (their symbolic
+    shapes), in their fake mode; a graph without them is traced on fakes of `example_inputs`. Dead nodes
+    (the detach make_fx records for each tensor autograd would save) are dropped: they read intermediates."""
+    fakes = [node_val(p) for p in gm.graph.find_nodes(op="placeholder")]
+    functional = torch.func.functionalize(gm)
+    if any(v is None for v in fakes):
+        traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS, tracing_mode="fake")(
+            *example_inputs)
+    else:
+        mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)
+        with mode if mode is not None else contextlib.nullcontext():
+            traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS)(*fakes)
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced
+
+
+def specialize_float_inputs(gm: fx.GraphModule) -> None:
+    """Make Dynamo retrace with float attributes as constants, if it made them graph inputs.
+
+    Dynamo passes floats such as a norm's epsilon or an attention scale as tensor inputs read with
+    .item(): the graph then adds a runtime scalar where the recognizers need a constant, and nothing
+    fuses. AOTAutograd asks Dynamo to specialize floats it cannot turn into tensor ops by the same
+    restart; here every float input is specialized (one restart per frame; a float argument that
+    changes between calls recompiles, as with torch.compile's specialize_float=True).
+    """
+    names = {
+        v.item_memo.node._expr.name for p in gm.graph.find_nodes(op="placeholder")
+        if isinstance(v := node_val(p), FakeTensor) and v.item_memo is not None
+        and hasattr(v.item_memo.node._expr, "name")
+    }
+    fresh = {n for n in names if not TensorifyState.should_specialize(n)}
+    if fresh:
+        for n in fresh:
+            TensorifyState.specialize(n)
+        raise TensorifyScalarRestartAnalysis
 
 
 def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None
@@ -99,19 +153,25 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
     tkopt.compile."""
     disabled = tuple(disable)
 
-    def forward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        optimized, run = optimize_graph_module(gm, disabled, example_inputs, select, cuda_graphs)
-        backend.graph_modules.append(optimized)
-        return make_boxed_func(run)
-
     def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return make_boxed_func(gm.forward)
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-        compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
-        return compiler(gm, example_inputs, **kwargs)
+        specialize_float_inputs(gm)
+        optimized = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs, select,
+                                          cuda_graphs)
 
-    backend.graph_modules = []  # the optimized forward graphs, newest last (with .tkopt_report)
+        def forward_compiler(fw: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
+            # Recorded here, not above: Dynamo may restart after AOTAutograd rejects a first graph (it
+            # specializes a float it had made an input), calling this backend again for the same code.
+            backend.graph_modules.append(optimized)
+            on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in fw_inputs)
+            return make_boxed_func(replay_as_cuda_graphs(fw, optimized) if cuda_graphs and on_gpu else fw.forward)
+
+        compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+        return compiler(optimized, example_inputs, **kwargs)
+
+    backend.graph_modules = []  # the optimized graphs, newest last (with .tkopt_report)
     return backend
 
 

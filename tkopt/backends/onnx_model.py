@@ -22,6 +22,7 @@ from tkopt.frontends.onnx import CONST_INPUT_ATTRS, ELEM_TYPES, outer_reads
 from tkopt.fused_ops import SCHEMAS
 from tkopt.fused_ops.onnx_schema import FUSED_OPSET, register_schemas
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+from tkopt.onnx_checker import checkable
 
 DEFAULT_OPSET = 18  # for graphs that did not come from ONNX
 TWO_GB = 2**31
@@ -186,8 +187,10 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
 
 
 def check(model: onnx.ModelProto) -> None:
-    """onnx.checker with full_check (strict shape inference, tkopt ops included)."""
+    """onnx.checker with full_check (strict shape inference, tkopt ops included); ops ONNX does not
+    define but the input model had (ORT's own) pass unchecked (tkopt.onnx_checker)."""
     register_schemas()
+    model = checkable(model)
     if model.ByteSize() < TWO_GB:
         onnx.checker.check_model(model, full_check=True)
         return

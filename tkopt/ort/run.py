@@ -33,15 +33,13 @@ def providers(arch: str | None) -> list[str]:
 
 
 def session(model: onnx.ModelProto | str | Path, library: str | Path | None = None,
-            provider_list: Sequence[str] = CPU_PROVIDERS, quiet: bool = False) -> Any:
+            provider_list: Sequence[str] = CPU_PROVIDERS) -> Any:
     """An ORT session, with the tkopt op library registered when given. A ModelProto of 2 GB or more
-    goes through a temporary file with external data (ORT reads it while creating the session).
-    `quiet`: ORT logs nothing (for runs whose failure the caller expects and handles)."""
+    goes through a temporary file with external data (ORT reads it while creating the session)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    if quiet:
-        so.log_severity_level = 4
+    so.log_severity_level = 4  # errors reach the caller as exceptions; ORT's logger would print them again
     if library is not None:
         so.register_custom_ops_library(str(library))
     if not isinstance(model, onnx.ModelProto):
@@ -55,15 +53,18 @@ def session(model: onnx.ModelProto | str | Path, library: str | Path | None = No
         return ort.InferenceSession(str(path), so, providers=list(provider_list))
 
 
-def _dim_size(dim: int | str | None, sizes: tuple[int, int]) -> int:
+def _dim_size(dim: int | str | None, sizes: tuple[int, int], dims: Mapping[str, int]) -> int:
     if isinstance(dim, int) and dim > 0:
         return dim
+    if isinstance(dim, str) and dim in dims:
+        return dims[dim]
     return sizes[0] if isinstance(dim, str) and "batch" in dim.lower() else sizes[1]
 
 
-def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = (2, 8)) -> dict[str, np.ndarray]:
+def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = (2, 8),
+                dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Random inputs matching the model's input types; symbolic dims get small sizes (same name, same size):
-    `sizes` = (for dims named like a batch, for the others).
+    `dims` by name, else `sizes` = (for dims named like a batch, for the others).
 
     Integer inputs are token ids in [0, 10), `*mask*` inputs are all ones with the last quarter of
     each row zeroed (padding), `*position*` inputs count along the last axis.
@@ -75,7 +76,7 @@ def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = 
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        shape = [_dim_size(d.dim_value if d.HasField("dim_value") else d.dim_param or None, sizes)
+        shape = [_dim_size(d.dim_value if d.HasField("dim_value") else d.dim_param or None, sizes, dims or {})
                  for d in tt.shape.dim]
         np_dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         name = vi.name.lower()
@@ -96,7 +97,7 @@ def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = 
 
 
 def capture(model: onnx.ModelProto, names: Sequence[str], feeds: Mapping[str, np.ndarray],
-            provider_list: Sequence[str] = CPU_PROVIDERS, quiet: bool = False) -> dict[str, np.ndarray]:
+            provider_list: Sequence[str] = CPU_PROVIDERS) -> dict[str, np.ndarray]:
     """`feeds` and the named values as `model` computes them on `feeds` (one ORT run of a copy with those
     values as extra outputs). Names the model does not compute are absent from the result."""
     produced = {o for n in model.graph.node for o in n.output if o}
@@ -112,7 +113,6 @@ def capture(model: onnx.ModelProto, names: Sequence[str], feeds: Mapping[str, np
     import onnxruntime as ort
 
     options = ort.RunOptions()
-    if quiet:
-        options.log_severity_level = 4
-    got = session(m, provider_list=provider_list, quiet=quiet).run(wanted, dict(feeds), options)
+    options.log_severity_level = 4  # as in `session`
+    got = session(m, provider_list=provider_list).run(wanted, dict(feeds), options)
     return {**feeds, **dict(zip(wanted, got, strict=True))}

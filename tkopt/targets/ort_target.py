@@ -140,7 +140,7 @@ class OrtTarget(Target):
                     break
                 try:
                     values = run.capture(self.original, [*names, self.original.graph.output[0].name], feeds,
-                                         providers, quiet=True)
+                                         providers)
                 except Exception:  # noqa: BLE001 - too big for this model: try a shorter sequence
                     seq //= 2
                     continue
