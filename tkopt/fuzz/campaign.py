@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -99,11 +100,13 @@ class Campaign:
                     o = _timed(self.plan.timeout_s, check, path, mod, runs)
                 except Timeout:
                     o = Outcome(path, "timeout", f"no result within {self.plan.timeout_s} s")
+                except Exception as e:  # noqa: BLE001 - the fuzzer's own bug: counted and shown, the run goes on
+                    o = Outcome(path, "harness", f"{type(e).__name__}: {e}", where=_where(e))
             outcomes.append(o)
             self.totals[path][o.status] += 1
             if o.status == "rejected":
                 self.rejections[_reason(o.detail)] += 1
-            if o.failed or o.status == "timeout":
+            if o.failed or o.status in ("timeout", "harness"):
                 # the same kind of failure on another path of this graph is most likely the same defect
                 again = any(p.signature()[:2] == o.signature()[:2] for p in outcomes[:-1])
                 f = self._failure(seed, spec, o, work, minimize=not again)
@@ -163,6 +166,11 @@ class Campaign:
             "failures": [{"seed": f.seed, **asdict(f.outcome), "features": f.features, "shrunk": f.shrunk,
                           "reproducer": f.reproducer} for f in self.failures],
         }
+
+
+def _where(e: BaseException) -> str:
+    f = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{Path(f.filename).name}:{f.lineno} {f.name}"
 
 
 def _reason(detail: str) -> str:

@@ -106,7 +106,9 @@ class GraphSpec:
 
     @property
     def has_padding(self) -> bool:
-        return any(b.kind == "attention" and (b.opts["padding"] or b.opts["mask"] == "padding") for b in self.blocks)
+        """Whether a block reads the padding mask input (cross-attention to latents has no keys to pad)."""
+        return any(b.kind == "attention" and b.opts["kv"] == "self"
+                   and (b.opts["padding"] or b.opts["mask"] == "padding") for b in self.blocks)
 
 
 def generate(seed: int, max_blocks: int = 4) -> GraphSpec:
