@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 import signal
 import sys
 import tempfile
@@ -174,9 +175,10 @@ def _where(e: BaseException) -> str:
 
 
 def _reason(detail: str) -> str:
-    """A rejection's reason without its specifics (sizes, names), for counting."""
-    head = detail.split(":")[0:2]
-    return ":".join(head)[:120]
+    """A rejection's reason without its specifics (names, numbers, ORT's error prefix), for counting."""
+    text = re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", "", detail)
+    text = re.sub(r"'[^']*'|\d+(\.\d+)?(e-?\d+)?", "_", text)
+    return text[:160]
 
 
 class Timeout(BaseException):
