@@ -668,13 +668,13 @@ TUNE_CANDIDATES = {
 FP32_TUNE_CANDIDATES = {
     ("sm90", "ieee"): [
         dict(block_tile=(128, 128, 32), stages=2, threads=256),
-        dict(block_tile=(128, 128, 32), stages=3, threads=256, stage_c=False),
+        dict(block_tile=(64, 128, 32), stages=3, threads=128),
         dict(block_tile=(128, 128, 16), stages=3, threads=256, use_tensorcore=False),
         dict(block_tile=(128, 64, 16), stages=3, threads=128, use_tensorcore=False),
     ],
     ("sm90", "tf32"): [
         dict(block_tile=(128, 128, 32), stages=3, threads=256),
-        dict(block_tile=(128, 256, 32), stages=3, threads=256, stage_c=False),
+        dict(block_tile=(128, 128, 32), stages=4, threads=256, stage_c=False),
         dict(block_tile=(128, 128, 64), stages=2, threads=256),
     ],
     ("sm80", "ieee"): [
