@@ -181,9 +181,11 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node]] | None:
     r1 = view.producer(r1_out)
     if r1 is None or r1.op != "Reshape" or not view.only_user(r1_out, nodes[-1]):
         return _split_3d_source(view, r1_out, r2, nodes)
-    nodes.append(r1)
     x = r1.inputs[0]
     xs, s1, s2 = view.shapes.shape(x), view.shapes.shape(r1_out), view.shapes.shape(r2.outputs[0])
+    if xs is not None and len(xs) != 4:  # (B, Hkv, group, S, D) with the GQA repeat, folded alike
+        return _split_3d_source(view, r1_out, r2, nodes)
+    nodes.append(r1)
     if xs is None or s1 is None or s2 is None or (len(xs), len(s1), len(s2)) != (4, 3, 4):
         return None
     b, h, sq, d = xs
@@ -196,8 +198,9 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node]] | None:
 
 def _split_3d_source(view: _View, x3: Value, r2: Node, nodes: list[Node]) -> tuple[Value, list[Node]] | None:
     """As `_swap_via_3d` when K never exists as (B, H, S, D): the dynamo exporter's static-shape export
-    folds Reshape(Reshape(k, (B,H,S,D)), (B*H,S,D)) to k (B*H, S, D). K is then Reshape(k, (B,H,S,D)), a
-    new node added only if the fusion is made (static ONNX shapes: the torch backend adds no nodes)."""
+    folds Reshape(Reshape(k, (B,H,S,D)), (B*H,S,D)) to k (B*H, S, D) (with GQA, the head repeat's
+    (B, Hkv, group, S, D) straight to (B*H, S, D)). K is then Reshape(k, (B,H,S,D)), a new node added
+    only if the fusion is made (static ONNX shapes: the torch backend adds no nodes)."""
     xs, s2 = view.shapes.shape(x3), view.shapes.shape(r2.outputs[0])
     if view.graph.meta.get("onnx_model") is None or xs is None or s2 is None or (len(xs), len(s2)) != (3, 4):
         return None

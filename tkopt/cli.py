@@ -142,8 +142,42 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_bench)
 
 
+def _run_coverage(args: argparse.Namespace) -> int:
+    from tkopt.coverage import ENTRIES, markdown, run
+
+    def progress(cell) -> None:  # noqa: ANN001 - tkopt.coverage.Cell, imported lazily
+        state = "error" if cell.error else f"{cell.fusions} max rel {cell.max_rel:.1e}"
+        print(f"{cell.model} · {ENTRIES[cell.entry]}: {state}", file=sys.stderr, flush=True)
+
+    rows, cells = run(args.models, args.entries, progress)
+    command = "tkopt coverage" + "".join(f" --{k} {' '.join(v)}" for k, v in
+                                         (("models", args.models), ("entries", args.entries)) if v)
+    text = markdown(rows, cells, command)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        print(f"wrote {out}")
+    else:
+        print(text)
+    return 0
+
+
+def _add_coverage(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("coverage", help="real models (tiny random configs) through every entry point, on CPU: "
+                       "fusions per layer, parity with eager, refusal reasons")
+    p.add_argument("--models", nargs="+", metavar="NAME", help="rows to run (default: all)")
+    p.add_argument("--entries", nargs="+", metavar="NAME", help="columns to run (default: all): compile, "
+                   "backend, backend_train, onnx_static, onnx_dynamic, onnx_torchscript")
+    p.add_argument("--out", help="write the Markdown table to this file (default: print it)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    p.set_defaults(run=_run_coverage)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_optimize, _add_demo, _add_fetch_headers,
-                                                                    _add_bench]
+                                                                    _add_bench, _add_coverage]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """torch.compile backend "tkopt": `torch.compile(model, backend="tkopt")`.
 
 Dynamo's graph is traced to a functional aten graph of the forward first (torch's fused inference
-fast paths decomposed, tkopt.frontends.fast_paths), so tkopt sees the same aten ops as from
+fast paths decomposed, tkopt.frontends.decompositions), so tkopt sees the same aten ops as from
 torch.export, and is fused there: before AOTAutograd differentiates it. The fused nodes are tkopt::
 custom ops with an autograd formula (their reference, recomputed from their saved inputs), so in
 training AOTAutograd saves the fused ops' inputs and the backward recomputes what it needs: no
@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tkopt.cuda_graphs import GraphCache, capturable, signature
-from tkopt.frontends.fast_paths import FAST_PATH_DECOMPOSITIONS
+from tkopt.frontends.decompositions import TRACE_DECOMPOSITIONS
 from tkopt.frontends.fx import import_fx, node_val
 from tkopt.pipeline import optimize
 from tkopt.targets.torch_target import TorchTarget
@@ -115,12 +115,12 @@ def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphM
     fakes = [node_val(p) for p in gm.graph.find_nodes(op="placeholder")]
     functional = torch.func.functionalize(gm)
     if any(v is None for v in fakes):
-        traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS, tracing_mode="fake")(
+        traced = make_fx(functional, decomposition_table=TRACE_DECOMPOSITIONS, tracing_mode="fake")(
             *example_inputs)
     else:
         mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)
         with mode if mode is not None else contextlib.nullcontext():
-            traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS)(*fakes)
+            traced = make_fx(functional, decomposition_table=TRACE_DECOMPOSITIONS)(*fakes)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
