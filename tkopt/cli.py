@@ -24,7 +24,7 @@ def _optimize_model(args: argparse.Namespace, model: Path, output: Path) -> int:
 
     try:
         _, rep = optimize_onnx(model, output, disable=args.disable, report=False,
-                               check_accuracy=not args.no_check_accuracy, target=args.target)
+                               check_accuracy=not args.no_check_accuracy, target=args.target, select=args.select)
     except AccuracyError as e:
         print(f"tkopt: error: {e}", file=sys.stderr)
         return EXIT_ACCURACY
@@ -70,6 +70,13 @@ def _add_target(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--target", choices=("cpu", "sm80", "sm90"), default=default,
                    help="build the native ORT op library for this target beside the output"
                    + (f" (default: {default})" if default else ""))
+    _add_select(p)
+
+
+def _add_select(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--select", choices=("measured", "all"),
+                   help="measured: keep a fusion (and the fused model) only where it measured faster than ORT's "
+                   "own kernels (default where the target's library runs here); all: keep every fusion")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -111,7 +118,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from tkopt.bench import bench_onnx
 
     result = bench_onnx(args.model, target=args.target, runs=args.runs, warmup=args.warmup,
-                        disable=args.disable, seed=args.seed, nodes=not args.no_nodes)
+                        disable=args.disable, seed=args.seed, nodes=not args.no_nodes, select=args.select)
     result.render(Console())
     if args.json:
         print(f"wrote {result.write_json(args.json)}")
@@ -124,6 +131,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", choices=("cpu", "sm80", "sm90"),
                    help="run the fused model on the native op library built for this target (without it: "
                    "fused ops run their torch references, accuracy only)")
+    _add_select(p)
     p.add_argument("--disable", nargs="+", default=[], metavar="NAME", help="passes to skip")
     p.add_argument("--runs", type=int, default=20, help="timed runs per variant (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")

@@ -129,7 +129,7 @@ def test_encoder_layer_training_fuses_and_gradients_match(norm_first: bool) -> N
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     fusions = _fusions(backend)
     assert fusions["attention"] >= 1 and fusions["add_norm"] >= 2 and fusions["gemm"] >= 1
-    refusals = [str(r) for gm in backend.graph_modules for r in gm.tkopt_report.refusals]
+    refusals = [str(r) for gm in backend.graph_modules for r in gm.tkopt_report.passes.refusals]
     assert not any("also used by the graph output" in r or "mean/inv-std outputs are used" in r for r in refusals)
 
 
