@@ -3,6 +3,11 @@
 A fusion rule reads like the math (after onnxscript's rewriter): find candidate anchors, `check`
 each match and return a refusal reason string for a near miss, else `rewrite` it with `fuse`.
 Reasons are kept so that the report can say why a near match was not fused.
+
+Every condition a rewrite relies on must hold for every shape and value the graph admits: prove it
+from the graph's structure (passes/shapes.py for dims, passes/masks.py for masks), never by trying
+sizes; where it cannot be proved, keep the general form or refuse with the reason. The discipline,
+and FusedAttention's exact semantics: docs/LEGALITY.md.
 """
 
 from __future__ import annotations
@@ -95,14 +100,15 @@ def fuse(
 
     The fused node takes the original output Values themselves, so every reader keeps working.
     An optional output that is unused is passed as None by the caller and dropped here.
-    Raises FusionError (with the legality reason) if the set cannot be fused.
+    Raises FusionError (with the reason) if the set cannot be fused: dtypes the op does not declare,
+    or a dataflow problem (`legality_problem`). Every fusion goes through here, so these two hold for all.
     """
     s = schema(op)
-    problem = legality_problem(graph, nodes, [v for v in outputs if v is not None])
-    if problem:
-        raise FusionError(problem)
     if len(inputs) != len(s.inputs):
         raise ValueError(f"{op} takes {len(s.inputs)} inputs {s.inputs}, got {len(inputs)}")
+    problem = s.dtype_problem(inputs, outputs) or legality_problem(graph, nodes, [v for v in outputs if v is not None])
+    if problem:
+        raise FusionError(problem)
     for name, v in zip(s.inputs, inputs, strict=True):
         if v is None and name not in s.optional_inputs:
             raise ValueError(f"{op}: input {name} is required")

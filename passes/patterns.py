@@ -193,32 +193,6 @@ def is_last_axis(axis: int | None, rank: int | None) -> bool:
     return axis is not None and (axis == -1 or (rank is not None and axis == rank - 1))
 
 
-def same_shape(a: Value | None, b: Value | None) -> bool:
-    """Both shapes known and equal dim by dim (symbolic dims equal by name; unknown dims never)."""
-    if a is None or b is None or a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
-        return False
-    return all(x is not None and x == y for x, y in zip(a.shape, b.shape, strict=True))
-
-
-def may_broadcast(a: Value | None, b: Value | None) -> str | None:
-    """Why `a` and `b` might not have one shape (None: same rank, no dim provably differs).
-
-    Symbolic and unknown dims are taken to match anything but a literal 1: exporters' shape
-    inference often names one runtime dim twice (batch vs unk__3), and an elementwise op of
-    two activations with equal rank does not broadcast in practice, while a literal 1 does.
-    """
-    if a is None or b is None or a.shape is None or b.shape is None:
-        return "shapes unknown"
-    if len(a.shape) != len(b.shape):
-        return f"ranks differ ({a.shape} vs {b.shape})"
-    for x, y in zip(a.shape, b.shape, strict=True):
-        if x == y:
-            continue
-        if isinstance(x, int) and isinstance(y, int) or x == 1 or y == 1:
-            return f"shapes {a.shape} and {b.shape} broadcast"
-    return None
-
-
 def squeezed_shape(shape: Sequence[Dim] | None) -> tuple[Dim, ...] | None:
     """`shape` without leading 1s: (1, 1, N) and (N,) broadcast alike over a trailing axis."""
     if shape is None:

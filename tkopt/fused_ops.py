@@ -17,6 +17,10 @@ import torch
 from tkopt.kernels import reference as ref
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
+# The dtypes every fused op declares (its ONNX type constraints): all tensors one float dtype "T", except
+# an input named "mask" ("M": a float dtype of its own, or bool).
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+MASK_DTYPES = (*FLOAT_DTYPES, "bool")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,20 @@ class FusedOpSchema:
     optional_outputs: frozenset[str]
     attrs: dict[str, Any]  # name -> default
     reference: Callable[[Sequence[torch.Tensor | None], dict[str, Any]], list[torch.Tensor]]
+
+    def dtype_problem(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> str | None:
+        """Why tensors of these dtypes (IR Values, or None for an omitted one) cannot be this op's
+        inputs and outputs (FLOAT_DTYPES / MASK_DTYPES above), or None."""
+        named = [*zip(self.inputs, inputs, strict=True), *zip(self.outputs, outputs, strict=False)]
+        shared = {v.dtype for n, v in named if v is not None and n != "mask"}
+        if None in shared:
+            return f"{self.name}: a tensor's dtype is unknown"
+        if len(shared) != 1 or not shared <= set(FLOAT_DTYPES):
+            return f"{self.name} takes one float dtype ({', '.join(FLOAT_DTYPES)}) got {sorted(shared)}"
+        mask = dict(named).get("mask")
+        if mask is not None and mask.dtype not in MASK_DTYPES:
+            return f"{self.name}: mask dtype {mask.dtype} is not one of {', '.join(MASK_DTYPES)}"
+        return None
 
     def full_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
         unknown = set(attrs) - set(self.attrs)
@@ -61,7 +79,8 @@ def _attention(ins: Sequence[torch.Tensor | None], attrs: dict[str, Any]) -> lis
     return [
         ref.flash_attention_ref(
             q, k, v, causal=bool(attrs["causal"]), mask=mask, scale=None if scale <= 0 else scale,
-            layout=attrs["layout"],
+            layout=attrs["layout"], mask_scale=attrs["mask_scale"], mask_fill=attrs["mask_fill"],
+            guard=attrs["guard"],
         )
     ]
 
@@ -92,11 +111,16 @@ SCHEMAS: dict[str, FusedOpSchema] = {
             "FusedGatedMLP", ("X", "W_gate", "W_up", "b_gate", "b_up"), frozenset({"b_gate", "b_up"}),
             ("Y",), frozenset(), {"trans_b": 0, "activation": "silu"}, _gated,
         ),
-        # O = softmax(Q K^T * scale + mask [causal]) V; layout "bhsd" or "bshd" for Q, K, V and O;
-        # K/V may have fewer heads (GQA). scale <= 0 means 1/sqrt(head_dim). Bool mask: True keeps.
+        # O = softmax(T) V with T = Q K^T * scale + mask * mask_scale (float mask), or
+        # Where(mask, Q K^T * scale, mask_fill) (bool mask: True keeps); causal drops keys after the
+        # query (top-left). guard: what a row gives whose every T is -inf ("none": NaN, as softmax;
+        # "masked": 0, as SDPA) or that holds a NaN ("nan": 0, as Where(IsNaN(p), 0, p)).
+        # layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA).
+        # scale <= 0 means 1/sqrt(head_dim). Exact definition: kernels.reference.flash_attention_ref.
         FusedOpSchema(
             "FusedAttention", ("Q", "K", "V", "mask"), frozenset({"mask"}), ("O",), frozenset(),
-            {"scale": 0.0, "causal": 0, "layout": "bhsd"}, _attention,
+            {"scale": 0.0, "causal": 0, "layout": "bhsd", "mask_scale": 1.0, "mask_fill": float("-inf"),
+             "guard": "masked"}, _attention,
         ),
         # Y = Norm(X + residual) over the last axis; Sum = X + residual (emitted when used later).
         FusedOpSchema(

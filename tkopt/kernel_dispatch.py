@@ -52,7 +52,9 @@ def run_kernel(op: str, inputs: Sequence[Tensor | None], attrs: dict[str, Any]) 
         q, k, v, mask = inputs
         scale = float(attrs["scale"])
         return [kernels.flash_attention(q, k, v, causal=bool(attrs["causal"]), mask=mask,
-                                        scale=None if scale <= 0 else scale, layout=attrs["layout"])]
+                                        scale=None if scale <= 0 else scale, layout=attrs["layout"],
+                                        mask_scale=float(attrs["mask_scale"]), mask_fill=float(attrs["mask_fill"]),
+                                        guard=attrs["guard"])]
     if op == "FusedAddNorm":
         x, residual, weight, bias = inputs
         if attrs["kind"] == "layer":

@@ -20,14 +20,15 @@ from onnx import helper, numpy_helper
 from onnx.defs import OpSchema
 
 from tkopt.frontends.onnx import CONST_INPUT_ATTRS, ELEM_TYPES, outer_reads
-from tkopt.fused_ops import SCHEMAS, FusedOpSchema
+from tkopt.fused_ops import FLOAT_DTYPES, MASK_DTYPES, SCHEMAS, FusedOpSchema
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 
 FUSED_OPSET = 1
 DEFAULT_OPSET = 18  # for graphs that did not come from ONNX
 TWO_GB = 2**31
 
-_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+_ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
+               "float64": "tensor(double)", "bool": "tensor(bool)"}
 
 
 # ---- tkopt op schemas -------------------------------------------------------------------------
@@ -78,9 +79,9 @@ def _onnx_schema(s: FusedOpSchema) -> OpSchema:
     outs = [
         OpSchema.FormalParameter(n, "T", param_option=opt if n in s.optional_outputs else single) for n in s.outputs
     ]
-    constraints = [("T", _FLOATS, "float tensors")]
+    constraints = [("T", [_ONNX_TYPES[d] for d in FLOAT_DTYPES], "float tensors")]
     if "mask" in s.inputs:
-        constraints.append(("M", [*_FLOATS, "tensor(bool)"], "additive float mask or boolean keep-mask"))
+        constraints.append(("M", [_ONNX_TYPES[d] for d in MASK_DTYPES], "additive float mask or boolean keep-mask"))
     attrs = [OpSchema.Attribute(k, helper.make_attribute(k, v), "") for k, v in s.attrs.items()]
     doc = f"tkopt fused op {s.name}; semantics: tkopt.fused_ops.SCHEMAS[{s.name!r}]"
     sch = OpSchema(s.name, FUSED_DOMAIN, FUSED_OPSET, doc, inputs=ins, outputs=outs, type_constraints=constraints,

@@ -83,13 +83,19 @@ def _(
 # ---- FusedAttention: O = softmax(Q K^T * scale + mask [causal]) V --------------------------------
 @torch.library.custom_op("tkopt::fused_attention", mutates_args=())
 def fused_attention(
-    Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str
+    Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str,
+    mask_scale: float, mask_fill: float, guard: str,
 ) -> Tensor:
-    return execute("FusedAttention", [Q, K, V, mask], {"scale": scale, "causal": causal, "layout": layout})[0]
+    attrs = {"scale": scale, "causal": causal, "layout": layout, "mask_scale": mask_scale, "mask_fill": mask_fill,
+             "guard": guard}
+    return execute("FusedAttention", [Q, K, V, mask], attrs)[0]
 
 
 @fused_attention.register_fake
-def _(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str) -> Tensor:
+def _(
+    Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str,
+    mask_scale: float, mask_fill: float, guard: str,
+) -> Tensor:
     return _empty(Q, [*Q.shape[:-1], V.shape[-1]])
 
 
@@ -114,7 +120,8 @@ def _(
 CUSTOM_OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "FusedGemm": (torch.ops.tkopt.fused_gemm.default, ("trans_b", "activation")),
     "FusedGatedMLP": (torch.ops.tkopt.fused_gated_mlp.default, ("trans_b", "activation")),
-    "FusedAttention": (torch.ops.tkopt.fused_attention.default, ("scale", "causal", "layout")),
+    "FusedAttention": (torch.ops.tkopt.fused_attention.default,
+                       ("scale", "causal", "layout", "mask_scale", "mask_fill", "guard")),
     "FusedAddNorm": (torch.ops.tkopt.fused_add_norm.default, ("kind", "epsilon")),
 }
 

@@ -145,22 +145,21 @@ def _attention(node: Node, arch: str) -> ProgramSpec:
         buffers["Mask"] = ("in", 3)
     buffers["Output"] = ("out", 0)
     scale = float(node.attrs["scale"])
-    scale_arg = None if scale <= 0 else scale
-    causal = bool(node.attrs["causal"])
-    layouts = (layout,) * 4
+    # The program's compile-time keys, in gpu_program / cpu_program order: the node's semantics exactly.
+    args = (dtype, dim, hq, hkv, bool(node.attrs["causal"]), (layout,) * 4, mask_kind, bcast,
+            None if scale <= 0 else scale, float(node.attrs["mask_scale"]), float(node.attrs["mask_fill"]),
+            node.attrs["guard"])
     if arch == "cpu":
         if dtype not in ("float32", "float64"):
             raise Unservable(f"{node.name}: cpu attention is float32/float64")
-        key = ("attn", arch, dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale_arg)
-        build = lambda: attention.cpu_program(dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale_arg)  # noqa: E731
+        key = ("attn", arch, *args)
+        build = lambda: attention.cpu_program(*args)  # noqa: E731
     else:
         if dim not in attention.GPU_HEAD_DIMS:
             raise Unservable(f"{node.name}: head dim {dim} (GPU kernels: {attention.GPU_HEAD_DIMS})")
         cfg = attention.FP32_CONFIG if dtype == "float32" else attention.DEFAULT_CONFIGS[(arch, dim)]
-        key = ("attn", arch, dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale_arg, tuple(cfg.items()))
-        build = lambda: attention.gpu_program(  # noqa: E731
-            dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale_arg, **cfg
-        )
+        key = ("attn", arch, *args, tuple(cfg.items()))
+        build = lambda: attention.gpu_program(*args, **cfg)  # noqa: E731
     return ProgramSpec(key, build, buffers, {0: "s0"})
 
 
