@@ -1,14 +1,17 @@
-"""Tiny Hugging Face BERT, GPT-2 and Llama with random weights (no downloads).
+"""Tiny Hugging Face models with random weights (no downloads).
 
 The real modelling code is what users feed the optimizer, so the passes are checked against it.
-Each builder returns (model in eval mode, example inputs). The model is wrapped so that forward
-takes (input_ids, attention_mask) tensors and returns the last hidden state tensor only: no
-KV cache (use_cache=False) and no output dataclass, which keeps torch.export and both ONNX
-exporters on the plain tensor path. transformers is a test extra, imported lazily.
+`hf_bert`, `hf_gpt2` and `hf_llama` return (model in eval mode, example inputs), the model wrapped
+so that forward takes (input_ids, attention_mask) tensors and returns the last hidden state tensor
+only: no KV cache (use_cache=False) and no output dataclass, which keeps torch.export and both ONNX
+exporters on the plain tensor path. `tiny_config` shrinks any transformers family's default config
+(everything else stays at its default, caches and output dataclasses included), for models used as
+users use them. transformers is a test extra, imported lazily.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -49,6 +52,32 @@ def example_inputs(batch: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Te
     g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
     return ids, torch.ones(batch, seq, dtype=torch.int64)
+
+
+# Small sizes under the names transformers' configs use (directly or through their attribute_map);
+# a config takes the ones its __init__ knows. rotary_dim (GPT-J, CodeGen) stays below head_dim 16.
+TINY = {
+    "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 128, "ffn_dim": 128,
+    "word_embed_proj_dim": 64, "max_position_embeddings": 128, "rotary_dim": 8,
+    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """`model_type`'s default transformers config with the TINY sizes it has a parameter for."""
+    tf = _transformers()
+    cls = tf.AutoConfig.for_model(model_type).__class__
+    known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
+    return cls(**{**{k: v for k, v in TINY.items() if k in known}, **overrides})
+
+
+def tiny_causal_lm(model_type: str, **overrides: Any) -> nn.Module:
+    """A 2-layer `model_type` causal LM from `tiny_config`, in eval mode, seeded."""
+    tf = _transformers()
+    cfg = tiny_config(model_type, **overrides)
+    torch.manual_seed(SEED)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def _finish(model: nn.Module) -> tuple[nn.Module, tuple]:

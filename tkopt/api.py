@@ -12,19 +12,16 @@ import numpy as np
 import onnx
 
 from tkopt.backends.onnx_model import check, export_onnx, save
-from tkopt.frontends.onnx import DTYPES, import_onnx, load_model
+from tkopt.differential import AccuracyError, onnx_dims, sweep, trial_sizes
+from tkopt.frontends.onnx import import_onnx, load_model
 from tkopt.onnx_runtime_ref import has_fused_nodes, native_library, run_model
 from tkopt.ort.library import LibraryBuild, build_library, check_target
 from tkopt.ort.session import LIBRARY_KEY, TARGET_KEY
 from tkopt.passes.finalize import seal
 from tkopt.passes.pipeline import run_passes
-from tkopt.report import DEFAULT_TOLERANCE, TOLERANCES, Accuracy, OutputError, Report
+from tkopt.report import Accuracy, Report
 
 ModelLike = str | Path | onnx.ModelProto
-
-
-class AccuracyError(RuntimeError):
-    """The fused model's outputs do not match the original's within tolerance."""
 
 
 def optimize_onnx(
@@ -101,15 +98,18 @@ def _finish(graph, optimized, passes, ops_before, output, check_accuracy, lib, f
     return rep
 
 
-def _dim_size(dim: int | str | None, sizes: tuple[int, int]) -> int:
+def _dim_size(dim: int | str | None, sizes: tuple[int, int], dims: Mapping[str, int]) -> int:
     if isinstance(dim, int) and dim > 0:
         return dim
+    if isinstance(dim, str) and dim in dims:
+        return dims[dim]
     return sizes[0] if isinstance(dim, str) and "batch" in dim.lower() else sizes[1]
 
 
-def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = (2, 8)) -> dict[str, np.ndarray]:
+def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = (2, 8),
+                dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Random inputs matching the model's input types; symbolic dims get small sizes (same name, same size):
-    `sizes` = (for dims named like a batch, for the others).
+    `dims` by name, else `sizes` = (for dims named like a batch, for the others).
 
     Integer inputs are token ids in [0, 10), `*mask*` inputs are all ones with the last quarter of
     each row zeroed (padding), `*position*` inputs count along the last axis.
@@ -121,7 +121,7 @@ def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = 
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        shape = [_dim_size(d.dim_value if d.HasField("dim_value") else d.dim_param or None, sizes)
+        shape = [_dim_size(d.dim_value if d.HasField("dim_value") else d.dim_param or None, sizes, dims or {})
                  for d in tt.shape.dim]
         np_dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         name = vi.name.lower()
@@ -141,21 +141,6 @@ def make_inputs(model: onnx.ModelProto, seed: int = 0, sizes: tuple[int, int] = 
     return out
 
 
-def _errors(name: str, got: np.ndarray, want: np.ndarray) -> OutputError:
-    dtype = DTYPES.get(onnx.helper.np_dtype_to_tensor_dtype(want.dtype), str(want.dtype))
-    tol = TOLERANCES.get(dtype, DEFAULT_TOLERANCE)
-    if got.shape != want.shape:
-        return OutputError(name, dtype, list(want.shape), float("inf"), float("inf"), tol)
-    g, w = got.astype(np.float64), want.astype(np.float64)
-    both_nan = np.isnan(g) & np.isnan(w)
-    diff = np.where(both_nan, 0.0, np.abs(g - w))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    scale = float(np.nanmax(np.abs(w))) if w.size and not np.all(np.isnan(w)) else 0.0
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    return OutputError(name, dtype, list(want.shape), max_abs, max_rel, tol)
-
-
 def compare_onnx(
     original: ModelLike,
     optimized: ModelLike,
@@ -165,21 +150,18 @@ def compare_onnx(
 ) -> Accuracy:
     """Per-output max abs/rel error of the optimized (fused) model against the original run in ORT.
 
+    Without `inputs`, both run at several sizes of the symbolic dims (tkopt.differential.trial_sizes:
+    the default sizes, 1, odd, longer); per output the worst error counts, and `runs` lists the sizes.
     The fused model runs in ORT with the native tkopt op library when one is configured, else
     "hybrid": its standard ops in ORT and the fused ops with tkopt's torch references.
     """
     orig = original if isinstance(original, onnx.ModelProto) else load_model(original)[0]
     opt = optimized if isinstance(optimized, onnx.ModelProto) else load_model(optimized)[0]
-    feeds = dict(inputs) if inputs is not None else make_inputs(orig, seed)
-    want = run_model(orig, feeds, provider="ort")
+    if inputs is not None:
+        feeds = [dict(inputs)]
+    else:
+        feeds = [make_inputs(orig, seed, dims=sizes) for sizes in trial_sizes(onnx_dims(orig))]
     lib = custom_ops_library or native_library()
     fused_runner = "ort" if not has_fused_nodes(opt) or lib else "hybrid"
-    got = run_model(opt, feeds, provider=fused_runner, custom_ops_library=lib)
-    missing = set(want) - set(got)
-    if missing:
-        raise ValueError(f"optimized model lacks outputs {sorted(missing)}")
-    return Accuracy(
-        outputs=[_errors(name, got[name], want[name]) for name in want],
-        fused_runner=fused_runner,
-        inputs={k: list(v.shape) for k, v in feeds.items()},
-    )
+    return sweep(feeds, lambda f: run_model(orig, f, provider="ort"),
+                 lambda f: run_model(opt, f, provider=fused_runner, custom_ops_library=lib), fused_runner)

@@ -40,14 +40,21 @@ class OutputError:
 class Accuracy:
     """Per-output errors and how each side ran (unfused: ORT; fused: "ort", "hybrid" or "reference")."""
 
-    outputs: list[OutputError]
+    outputs: list[OutputError]  # per output, the worst error over all runs
     fused_runner: str
     unfused_runner: str = "ort"
-    inputs: dict[str, list[int]] = field(default_factory=dict)  # input name -> shape used
+    inputs: dict[str, list[int]] = field(default_factory=dict)  # input name -> shape, the first (example) run
+    runs: list[dict[str, list[int]]] = field(default_factory=list)  # the input shapes of every run
+    skipped: list[str] = field(default_factory=list)  # sizes the original would not run at, and why
 
     @property
     def ok(self) -> bool:
         return all(o.ok for o in self.outputs)
+
+    @property
+    def checked(self) -> bool:
+        """False when the original ran at no size tried: nothing was compared (`skipped` says why)."""
+        return bool(self.runs)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -146,6 +153,13 @@ class Report:
     def render_accuracy(self, console: Console) -> None:
         a = self.accuracy
         assert a is not None
+        if not a.checked:
+            console.print(f"[yellow]accuracy check skipped[/yellow]: {a.skipped[0] if a.skipped else 'no run'}")
+            return
+        console.print(f"accuracy checked at {len(a.runs)} input size(s): "
+                      + "; ".join(", ".join(f"{k} {v}" for k, v in r.items()) for r in a.runs))
+        for why in a.skipped:
+            console.print(f"  not checked at {why}")
         t = Table(title=f"fused ({a.fused_runner}) vs unfused ({a.unfused_runner})")
         for col in ("output", "dtype", "shape", "max abs", "max rel", "tol", ""):
             t.add_column(col)

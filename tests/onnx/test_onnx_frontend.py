@@ -117,6 +117,18 @@ def test_external_data_missing(ts_model: Path, tmp_path: Path) -> None:
         import_onnx(path)
 
 
+@pytest.mark.parametrize("offset", [False, True])
+def test_external_data_truncated_names_the_file(offset: bool, ts_model: Path, tmp_path: Path) -> None:
+    """A cut-short data file is named, not just the tensor that ran past its end (issue 8)."""
+    proto = onnx.load(str(ts_model))
+    path = tmp_path / "ext.onnx"
+    onnx.save_model(proto, str(path), save_as_external_data=True, location="ext.bin", size_threshold=0)
+    data = (tmp_path / "ext.bin").read_bytes()
+    (tmp_path / "ext.bin").write_bytes(data[: len(data) - 4] if offset else data[:8])
+    with pytest.raises(ModelLoadError, match=r"ext\.onnx: external data file '.*ext\.bin' is truncated: it has "):
+        import_onnx(path)
+
+
 @pytest.mark.parametrize("kind", ["truncated", "garbage", "text", "missing", "empty"])
 def test_bad_files_name_the_file(kind: str, ts_model: Path, tmp_path: Path) -> None:
     path = tmp_path / f"{kind}.onnx"

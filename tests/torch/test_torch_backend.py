@@ -298,7 +298,7 @@ def test_torch_compile_backend(block, caplog):
 
 
 def test_torch_compile_backend_training():
-    """Only the forward graph is optimized; autograd comes from the original graph."""
+    """The graph is fused before AOTAutograd differentiates it; the fused ops' backward gives the gradients."""
     torch.manual_seed(0)
     model = Block().train()
     torch._dynamo.reset()

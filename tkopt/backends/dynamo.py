@@ -1,10 +1,13 @@
 """torch.compile backend "tkopt": `torch.compile(model, backend="tkopt")`.
 
-Dynamo's graph is lowered by AOTAutograd first, so tkopt sees the same aten ops as from
-torch.export (one op mapping, functionalized, parameters as graph inputs) and training keeps
-working: autograd is derived from the original graph, and only the forward graph is optimized
-(a fusion whose intermediates backward needs is refused as illegal, since they are graph outputs).
-Registered through the `torch_dynamo_backends` entry point in pyproject.toml.
+Dynamo's graph is traced to a functional aten graph of the forward first (torch's fused inference
+fast paths decomposed, tkopt.frontends.fast_paths), so tkopt sees the same aten ops as from
+torch.export, and is fused there: before AOTAutograd differentiates it. The fused nodes are tkopt::
+custom ops with an autograd formula (their reference, recomputed from their saved inputs), so in
+training AOTAutograd saves the fused ops' inputs and the backward recomputes what it needs: no
+fusion is refused because backward needs an intermediate. Under no_grad the same fused graph is
+AOTAutograd's inference graph. Registered through the `torch_dynamo_backends` entry point in
+pyproject.toml.
 
 On CUDA the optimized forward graph is replayed as a CUDA graph per input signature, as in
 tkopt.compile (tkopt.cuda_graphs); parameters, which Dynamo passes as graph inputs, are captured
@@ -13,6 +16,7 @@ where they live instead of being copied in on every call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,11 +25,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+from torch._dynamo.symbolic_convert import TensorifyState
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.cuda_graphs import GraphCache, capturable, signature
-from tkopt.frontends.fx import import_fx
+from tkopt.frontends.fast_paths import FAST_PATH_DECOMPOSITIONS
+from tkopt.frontends.fx import import_fx, node_val
 from tkopt.kernel_dispatch import first_device, prepare_kernels
 from tkopt.passes.pipeline import run_passes
 
@@ -35,25 +44,31 @@ log = logging.getLogger(__name__)
 def optimize_graph_module(
     gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = ()
 ) -> fx.GraphModule:
-    """Import an aten-level GraphModule, run the passes, rebuild it (report in `.tkopt_report`)."""
-    graph = import_fx(gm)
-    report = run_passes(graph, disable)
-    report.declined, report.kernel_fallbacks = prepare_kernels(graph, first_device(example_inputs))
-    out = to_torch_module(graph)
+    """Import an aten-level GraphModule, run the passes, rebuild it (report in `.tkopt_report`).
+
+    AOTAutograd may call its compilers inside its FakeTensorMode (inference graphs do); tkopt reads the
+    graph's real constants and probes kernels on real tensors, so it leaves that mode while it works.
+    """
+    with unset_fake_temporarily():
+        graph = import_fx(gm)
+        report = run_passes(graph, disable)
+        report.declined, report.kernel_fallbacks = prepare_kernels(graph, first_device(example_inputs))
+        out = to_torch_module(graph)
     out.tkopt_report = report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.nodes_before,
              report.nodes_after)
     return out
 
 
-def replay_as_cuda_graphs(gm: fx.GraphModule) -> Callable[..., Any]:
-    """`gm`'s forward, replayed as a CUDA graph per input signature when its inputs are CUDA tensors."""
+def replay_as_cuda_graphs(gm: fx.GraphModule, owner: fx.GraphModule) -> Callable[..., Any]:
+    """`gm`'s forward, replayed as a CUDA graph per input signature when its inputs are CUDA tensors.
+    `owner` (the optimized graph `gm` was made from) gets the cache and why the latest call ran uncaptured."""
     cache = GraphCache()
-    gm.tkopt_graphs = cache
+    owner.tkopt_graphs = cache
 
     def run(*args: Any) -> Any:
-        gm.tkopt_uncaptured_reason = capturable(args, gm)
-        if gm.tkopt_uncaptured_reason is not None:
+        owner.tkopt_uncaptured_reason = capturable(args, gm)
+        if owner.tkopt_uncaptured_reason is not None:
             return gm(*args)
         flat, spec = pytree.tree_flatten((args, {}))
         return cache(signature(flat), gm, flat, spec, in_place=lambda t: isinstance(t, nn.Parameter))
@@ -61,24 +76,68 @@ def replay_as_cuda_graphs(gm: fx.GraphModule) -> Callable[..., Any]:
     return run
 
 
+def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Dynamo's torch-level graph as a functional aten graph of its forward (no autograd recorded), torch's
+    fused fast paths decomposed: the graph tkopt fuses. Traced on Dynamo's fake inputs (their symbolic
+    shapes), in their fake mode; a graph without them is traced on fakes of `example_inputs`. Dead nodes
+    (the detach make_fx records for each tensor autograd would save) are dropped: they read intermediates."""
+    fakes = [node_val(p) for p in gm.graph.find_nodes(op="placeholder")]
+    functional = torch.func.functionalize(gm)
+    if any(v is None for v in fakes):
+        traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS, tracing_mode="fake")(
+            *example_inputs)
+    else:
+        mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)
+        with mode if mode is not None else contextlib.nullcontext():
+            traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS)(*fakes)
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced
+
+
+def specialize_float_inputs(gm: fx.GraphModule) -> None:
+    """Make Dynamo retrace with float attributes as constants, if it made them graph inputs.
+
+    Dynamo passes floats such as a norm's epsilon or an attention scale as tensor inputs read with
+    .item(): the graph then adds a runtime scalar where the recognizers need a constant, and nothing
+    fuses. AOTAutograd asks Dynamo to specialize floats it cannot turn into tensor ops by the same
+    restart; here every float input is specialized (one restart per frame; a float argument that
+    changes between calls recompiles, as with torch.compile's specialize_float=True).
+    """
+    names = {
+        v.item_memo.node._expr.name for p in gm.graph.find_nodes(op="placeholder")
+        if isinstance(v := node_val(p), FakeTensor) and v.item_memo is not None
+        and hasattr(v.item_memo.node._expr, "name")
+    }
+    fresh = {n for n in names if not TensorifyState.should_specialize(n)}
+    if fresh:
+        for n in fresh:
+            TensorifyState.specialize(n)
+        raise TensorifyScalarRestartAnalysis
+
+
 def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True) -> Callable[..., Any]:
     """A torch.compile backend that skips the passes named in `disable`; `cuda_graphs` as in tkopt.compile."""
     disabled = tuple(disable)
-
-    def forward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        optimized = optimize_graph_module(gm, disabled, example_inputs)
-        backend.graph_modules.append(optimized)
-        on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-        return make_boxed_func(replay_as_cuda_graphs(optimized) if cuda_graphs and on_gpu else optimized.forward)
 
     def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return make_boxed_func(gm.forward)
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-        compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
-        return compiler(gm, example_inputs, **kwargs)
+        specialize_float_inputs(gm)
+        optimized = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs)
 
-    backend.graph_modules = []  # the optimized forward graphs, newest last (with .tkopt_report)
+        def forward_compiler(fw: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
+            # Recorded here, not above: Dynamo may restart after AOTAutograd rejects a first graph (it
+            # specializes a float it had made an input), calling this backend again for the same code.
+            backend.graph_modules.append(optimized)
+            on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in fw_inputs)
+            return make_boxed_func(replay_as_cuda_graphs(fw, optimized) if cuda_graphs and on_gpu else fw.forward)
+
+        compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+        return compiler(optimized, example_inputs, **kwargs)
+
+    backend.graph_modules = []  # the optimized graphs, newest last (with .tkopt_report)
     return backend
 
 

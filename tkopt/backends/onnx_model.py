@@ -22,6 +22,7 @@ from onnx.defs import OpSchema
 from tkopt.frontends.onnx import CONST_INPUT_ATTRS, ELEM_TYPES, outer_reads
 from tkopt.fused_ops import FLOAT_DTYPES, MASK_DTYPES, SCHEMAS, FusedOpSchema
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+from tkopt.onnx_checker import checkable
 
 FUSED_OPSET = 1
 DEFAULT_OPSET = 18  # for graphs that did not come from ONNX
@@ -256,8 +257,10 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
 
 
 def check(model: onnx.ModelProto) -> None:
-    """onnx.checker with full_check (strict shape inference, tkopt ops included)."""
+    """onnx.checker with full_check (strict shape inference, tkopt ops included); ops ONNX does not
+    define but the input model had (ORT's own) pass unchecked (tkopt.onnx_checker)."""
     register_schemas()
+    model = checkable(model)
     if model.ByteSize() < TWO_GB:
         onnx.checker.check_model(model, full_check=True)
         return

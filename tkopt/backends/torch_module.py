@@ -61,18 +61,47 @@ class _Rebuilder:
         return [n for n in out if isinstance(n.origin, fx.Node)]
 
     # ---- original nodes the IR does not hold ----------------------------------------------------
-    def copy_old(self, node: fx.Node) -> fx.Node:
+    def copy_old(self, node: fx.Node) -> fx.Node | int:
         """The new counterpart of an original fx.Node outside the IR, copied on first use."""
         if node in self.env:
             return self.env[node]
         if node in self.in_ir:
             raise ValueError(f"fx node {node.name} was replaced in the IR but is still read by {list(node.users)}")
+        if _reads_metadata_only(node) and any(a in self.in_ir and a not in self.env for a in node.all_input_nodes):
+            self.env[node] = self._rederive(node)
+            return self.env[node]
         if node.op == "get_attr":
             self.root[node.target] = operator.attrgetter(node.target)(self.old)
         elif node.op == "call_module":
             self.root[node.target] = self.old.get_submodule(node.target)
         self.env[node] = self.new.node_copy(node, self.copy_old)
         return self.env[node]
+
+    def _rederive(self, node: fx.Node) -> fx.Node | int:
+        """A size, stride or numel read off a tensor that no longer exists (a fusion absorbed it), read
+        instead off a tensor that does and has the same symbolic value there: a graph input first, else
+        any node emitted so far (the fused node's own output among them). A static value is the int."""
+        val = node_val(node)
+        known = val.node.maybe_as_int() if isinstance(val, torch.SymInt) else val
+        if isinstance(known, int):
+            return known
+        expr = val.node.expr
+        aten = torch.ops.aten
+        olds = sorted(self.env, key=lambda n: n.op != "placeholder")
+        for old in olds:
+            t = node_val(old)
+            if not isinstance(t, torch.Tensor) or isinstance(self.env[old], int):
+                continue
+            reads = [(aten.sym_size.int, (i,), d) for i, d in enumerate(t.shape)]
+            reads += [(aten.sym_stride.int, (i,), d) for i, d in enumerate(t.stride())]
+            reads.append((aten.sym_numel.default, (), t.numel()))
+            for target, extra, d in reads:
+                if isinstance(d, torch.SymInt) and d.node.expr == expr:
+                    new = self.new.call_function(target, (self.env[old], *extra))
+                    new.meta["val"] = val
+                    return new
+        raise ValueError(f"fx node {node.name} reads {expr} off a tensor a fusion removed, and no remaining tensor "
+                         "has that size to read it from")
 
     def value(self, v: Value) -> fx.Node:
         if id(v) in self.vals:
@@ -218,6 +247,18 @@ class _Rebuilder:
 
         out = self.new.output(fx.node.map_arg(old_out.args[0], leaf), old_out.type)
         out.meta = copy.copy(old_out.meta)
+
+
+_METADATA_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+                 torch.ops.aten.sym_storage_offset.default}
+
+
+def _reads_metadata_only(node: fx.Node) -> bool:
+    """A node whose result is a size-like number (SymInt) read off its tensor input, not its data:
+    aten.sym_size/sym_stride/sym_numel and the size()/stride()/numel()/dim() methods."""
+    if node.op == "call_method":
+        return node.target in ("size", "stride", "numel", "dim") and isinstance(node_val(node), (int, torch.SymInt))
+    return node.op == "call_function" and node.target in _METADATA_OPS
 
 
 def to_torch_module(graph: Graph) -> fx.GraphModule:

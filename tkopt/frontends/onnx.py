@@ -23,6 +23,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
+from tkopt.onnx_checker import checkable
 
 MIN_OPSET = 17
 
@@ -171,10 +172,7 @@ def load_model(
         )
     external = [t for t in _all_tensors(proto) if uses_external_data(t)]
     for t in external:
-        location = next(e.value for e in t.external_data if e.key == "location")
-        data = os.path.join(base, location)
-        if not os.path.isfile(data):
-            raise ModelLoadError(f"{where}: external data file {data!r} (for tensor {t.name!r}) is missing")
+        _check_external_data(t, base, where)
     from tkopt.backends.onnx_model import register_schemas  # an optimized model has tkopt ops
 
     register_schemas()
@@ -182,15 +180,35 @@ def load_model(
     if external and in_memory:
         proto = _copy(proto)
         onnx.external_data_helper.load_external_data_for_model(proto, base)
+    checked = checkable(proto)  # ops ONNX does not define but ORT runs pass through unchecked
     try:
         # From a file the checker reads external data itself (any size); shape inference needs types only.
-        onnx.checker.check_model(where if external and not in_memory else proto)
+        onnx.checker.check_model(where if external and not in_memory and checked is proto else checked)
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise ModelLoadError(f"{where}: invalid ONNX model: {str(e).splitlines()[0]}") from None
     if external and not in_memory:
         onnx.external_data_helper.load_external_data_for_model(proto, base)
     return proto, inferred, where, bool(external)
+
+
+def _check_external_data(t: onnx.TensorProto, base: str, where: str) -> None:
+    """The tensor's data file exists and holds the bytes the tensor needs (a truncated copy names the file)."""
+    info = {e.key: e.value for e in t.external_data}
+    data = os.path.join(base, info.get("location", ""))
+    if not os.path.isfile(data):
+        raise ModelLoadError(f"{where}: external data file {data!r} (for tensor {t.name!r}) is missing")
+    item = helper.tensor_dtype_to_np_dtype(t.data_type)
+    if "length" in info:
+        length = int(info["length"])
+    elif item.kind != "O":
+        length = int(np.prod(t.dims, dtype=np.int64)) * item.itemsize
+    else:
+        return  # strings: no fixed size to check
+    end, size = int(info.get("offset", 0)) + length, os.path.getsize(data)
+    if end > size:
+        raise ModelLoadError(f"{where}: external data file {data!r} is truncated: it has {size} bytes, "
+                             f"tensor {t.name!r} needs bytes up to {end}")
 
 
 def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:

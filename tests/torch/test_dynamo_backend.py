@@ -1,0 +1,165 @@
+"""torch.compile(backend="tkopt") fuses under no_grad and in training: torch's fused fast paths are
+decomposed so the fusions see them, and in training the fused ops' backward recomputes what it needs
+(no fusion is refused because backward saves an intermediate). Outputs and gradients match eager."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tkopt.backends.dynamo import make_backend
+from tkopt.frontends.fast_paths import native_multi_head_attention, transformer_encoder_layer_fwd
+
+D, H = 32, 4
+
+
+def _compiled(model: nn.Module) -> tuple[nn.Module, object]:
+    torch._dynamo.reset()
+    backend = make_backend()
+    return torch.compile(model, backend=backend, dynamic=True), backend
+
+
+def _fusions(backend) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for gm in backend.graph_modules:
+        for k, v in gm.tkopt_report.fusions.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _assert_close_with_nan(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-5)
+
+
+# ---- the decompositions reproduce torch's native fast-path kernels -----------------------------
+
+def _mask(kind: str, b: int, n: int) -> tuple[torch.Tensor | None, int | None]:
+    g = torch.Generator().manual_seed(3)
+    if kind == "none":
+        return None, None
+    if kind == "padding":  # (B, S), the second sequence fully masked: NaN rows, as native
+        m = torch.rand(b, n, generator=g) > 0.6
+        m[1] = True
+        return m, 1
+    if kind == "square":
+        return torch.rand(n, n, generator=g) > 0.6, 0
+    m = torch.rand(b, H, n, n, generator=g) > 0.6  # merged (B, H, L, S), as float -inf/0 from merge_masks
+    return torch.zeros(b, H, n, n).masked_fill(m, float("-inf")), 2
+
+
+@pytest.mark.parametrize("kind", ["none", "padding", "square", "merged"])
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_native_multi_head_attention_decomposition(kind: str, need_weights: bool, average: bool) -> None:
+    torch.manual_seed(0)
+    b, n = 3, 5
+    x = torch.randn(b, n, D)
+    w, bias, pw, pb = torch.randn(3 * D, D) / 8, torch.randn(3 * D), torch.randn(D, D) / 8, torch.randn(D)
+    mask, mask_type = _mask(kind, b, n)
+    args = (x, x, x, D, H, w, bias, pw, pb, mask, need_weights, average, mask_type)
+    want = torch._native_multi_head_attention(*args)
+    got = native_multi_head_attention(*args)
+    _assert_close_with_nan(got[0], want[0])
+    if need_weights:
+        _assert_close_with_nan(got[1], want[1])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("use_gelu", [False, True])
+@pytest.mark.parametrize("kind", ["none", "padding", "merged"])
+def test_transformer_encoder_layer_decomposition(norm_first: bool, use_gelu: bool, kind: str) -> None:
+    torch.manual_seed(0)
+    b, n, f = 3, 5, 48
+    mask, mask_type = _mask(kind, b, n)
+    weights = [torch.randn(3 * D, D) / 8, torch.randn(3 * D), torch.randn(D, D) / 8, torch.randn(D)]
+    norms = [torch.randn(D), torch.randn(D), torch.randn(D), torch.randn(D)]
+    ffn = [torch.randn(f, D) / 8, torch.randn(f), torch.randn(D, f) / 8, torch.randn(D)]
+    args = (torch.randn(b, n, D), D, H, *weights, use_gelu, norm_first, 1e-5, *norms, *ffn, mask, mask_type)
+    _assert_close_with_nan(transformer_encoder_layer_fwd(*args), torch._transformer_encoder_layer_fwd(*args))
+
+
+# ---- torch's modules through the backend -------------------------------------------------------
+
+def _encoder_layer(norm_first: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=norm_first)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_fast_path_is_fused_under_no_grad(norm_first: bool) -> None:
+    """In eval under no_grad, Dynamo records aten._transformer_encoder_layer_fwd (one opaque op)."""
+    model = _encoder_layer(norm_first).eval()
+    fast, backend = _compiled(model)
+    with torch.no_grad():
+        for b, n in ((2, 7), (3, 4)):
+            x = torch.randn(b, n, D)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+    fusions = _fusions(backend)
+    assert fusions["attention"] >= 1 and fusions["add_norm"] >= 2 and fusions["gemm"] >= 1
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_training_fuses_and_gradients_match(norm_first: bool) -> None:
+    """Attention and norms fuse in training too: backward recomputes their intermediates from the
+    fused ops' saved inputs. Gradients against a random projection (a sum of squares of a LayerNorm
+    output is nearly constant, so its float32 gradient would be noise)."""
+    model = _encoder_layer(norm_first).train()
+    fast, backend = _compiled(model)
+    x = torch.randn(2, 6, D, requires_grad=True)
+    r = torch.randn(2, 6, D)
+    grads = []
+    for fn in (fast, model):
+        model.zero_grad()
+        x.grad = None
+        out = fn(x)
+        (out * r).sum().backward()
+        grads.append([out.detach(), x.grad] + [p.grad for p in model.parameters()])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    fusions = _fusions(backend)
+    assert fusions["attention"] >= 1 and fusions["add_norm"] >= 2 and fusions["gemm"] >= 1
+    refusals = [str(r) for gm in backend.graph_modules for r in gm.tkopt_report.refusals]
+    assert not any("also used by the graph output" in r or "mean/inv-std outputs are used" in r for r in refusals)
+
+
+transformers = pytest.importorskip("transformers")
+from tkopt.models.hf import tiny_causal_lm  # noqa: E402
+
+
+def test_decoder_under_no_grad_fuses_and_decodes() -> None:
+    """A transformers decoder with its default config (cache on) under no_grad: prefill and a decode step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_causal_lm("llama", num_hidden_layers=1)
+        fast, backend = _compiled(model)
+        ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            got, want = fast(ids), model(ids)
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+            nxt = want.logits[:, -1:].argmax(-1)
+            got2 = fast(nxt, past_key_values=got.past_key_values)
+            want2 = model(nxt, past_key_values=want.past_key_values)
+    torch.testing.assert_close(got2.logits, want2.logits, rtol=1e-5, atol=1e-5)
+    assert _fusions(backend)["attention"] >= 2  # prefill and decode graphs
+
+
+def test_decoder_training_fuses_every_norm_and_gradients_match() -> None:
+    """In training, under dynamic shapes: the RMSNorm epsilon (a float Dynamo would pass as an input) is a
+    constant, and the detach autograd records on the saved rsqrt does not hide the norm from recognition."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_causal_lm("llama", num_hidden_layers=1).train()
+        fast, backend = _compiled(model)
+        ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+        grads = []
+        for fn in (fast, model):
+            model.zero_grad()
+            logits = fn(ids, use_cache=False).logits
+            (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+            grads.append([logits.detach()] + [p.grad for p in model.parameters()])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert _fusions(backend) == {"attention": 1, "add_norm": 3, "gated_mlp": 1, "gemm": 6}

@@ -1,0 +1,234 @@
+"""The accuracy check: fused against unfused at several admitted input sizes, not only the example's.
+
+A fusion right at the example's sizes can be wrong at others (a mask that is causal at two lengths
+but banded at a third, a broadcast that holds for batch 1 only). So each symbolic dim is tried at
+the example's size, the smallest it admits (1 where allowed), an odd size and a longer one, all
+within its admitted range; the result names every size tried. tkopt.compile knows each dim's range
+from torch.export; an ONNX model does not declare one, so a size the original model itself cannot
+run at is skipped and named, and if it runs at none the check is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tkopt.report import DEFAULT_TOLERANCE, TOLERANCES, Accuracy, OutputError
+
+Feeds = Mapping[str, Any]
+
+
+class AccuracyError(RuntimeError):
+    """The fused model's outputs do not match the original's within tolerance."""
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """A symbolic dim: its example size and the sizes it admits (hi None: unbounded)."""
+
+    example: int
+    lo: int = 1
+    hi: int | None = None
+
+    def candidates(self) -> list[int]:
+        """The example's size, the smallest admitted, an odd one, and one longer than the example."""
+        lo, hi = max(self.lo, 1), self.hi if self.hi is not None else math.inf
+        odd = next((v for v in (3, 5, 7, 9, 11, 13) if v != self.example and lo <= v <= hi), self.example)
+        return [self.example, lo, odd, int(min(2 * self.example + 3, hi))]
+
+
+def trial_sizes(dims: Mapping[Hashable, DimRange]) -> list[dict[Hashable, int]]:
+    """Size assignments to check: the k-th candidate of every dim together, k = example, smallest,
+    odd, longer (so dims tied by name move together); duplicates dropped, the example's first."""
+    cands = {d: r.candidates() for d, r in dims.items()}
+    out: list[dict[Hashable, int]] = []
+    for k in range(4):
+        a = {d: c[k] for d, c in cands.items()}
+        if a not in out:
+            out.append(a)
+    return out
+
+
+def output_error(name: str, got: np.ndarray, want: np.ndarray, dtype: str | None = None) -> OutputError:
+    """Max abs/rel error of one output (NaN where the original has NaN counts as equal); `dtype`
+    names the original dtype when the arrays were upcast (bfloat16 held as float32)."""
+    dtype = dtype or str(want.dtype)
+    tol = TOLERANCES.get(dtype, DEFAULT_TOLERANCE)
+    if got.shape != want.shape:
+        return OutputError(name, dtype, list(want.shape), float("inf"), float("inf"), tol)
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    both_nan = np.isnan(g) & np.isnan(w)
+    same_inf = np.isinf(g) & (g == w)
+    diff = np.where(both_nan | same_inf, 0.0, np.abs(g - w))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    finite = w[np.isfinite(w)]
+    scale = float(np.abs(finite).max()) if finite.size else 0.0
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return OutputError(name, dtype, list(want.shape), max_abs, max_rel, tol)
+
+
+def sweep(
+    feeds: Sequence[Feeds],
+    run_original: Callable[[Feeds], Mapping[str, np.ndarray]],
+    run_fused: Callable[[Feeds], Mapping[str, np.ndarray]],
+    fused_runner: str,
+    unfused_runner: str = "ort",
+    dtypes: Mapping[str, str] | None = None,
+) -> Accuracy:
+    """Run both sides on every feed; per output the worst error over all of them.
+
+    A feed the original cannot run is skipped (its reason kept); a fused failure is raised (a bug).
+    """
+    worst: dict[str, OutputError] = {}
+    runs: list[dict[str, list[int]]] = []
+    refused: list[tuple[str, str]] = []  # (sizes, why the original does not run at them)
+    for f in feeds:
+        shapes = {k: list(np.shape(v)) for k, v in f.items()}
+        try:
+            want = run_original(f)
+        except Exception as e:  # noqa: BLE001 - the original not running here is a fact to report
+            refused.append((describe(shapes), _first_line(e)))
+            continue
+        got = run_fused(f)
+        missing = set(want) - set(got)
+        if missing:
+            raise ValueError(f"optimized model lacks outputs {sorted(missing)}")
+        runs.append(shapes)
+        for name in want:
+            err = output_error(name, np.asarray(got[name]), np.asarray(want[name]), (dtypes or {}).get(name))
+            if name not in worst or not err.max_rel <= worst[name].max_rel:
+                worst[name] = err
+    if runs or not refused:
+        skipped = [f"{sizes}: the original model does not run there ({why})" for sizes, why in refused]
+    else:  # e.g. an op from a domain ORT does not know: nothing to compare against
+        skipped = [f"the original model does not run in {unfused_runner} at any size tried: {refused[0][1]}"]
+    return Accuracy(outputs=list(worst.values()), fused_runner=fused_runner, unfused_runner=unfused_runner,
+                    inputs=runs[0] if runs else {}, runs=runs, skipped=skipped)
+
+
+def describe(shapes: Mapping[str, Sequence[int]]) -> str:
+    return ", ".join(f"{k} {list(v)}" for k, v in shapes.items())
+
+
+def _first_line(e: BaseException) -> str:
+    """The error's first line, without ONNX Runtime's "[ONNXRuntimeError] : 1 : FAIL : " prefix."""
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", lines[0])[:300] if lines else type(e).__name__
+    return text
+
+
+# ---- ONNX ---------------------------------------------------------------------------------------
+def onnx_dims(model: Any) -> dict[str, DimRange]:
+    """The named symbolic dims of an ONNX model's inputs; examples: 2 for batch-like names, else 8
+    (ONNX declares no range, so every size from 1 up is tried)."""
+    inits = {t.name for t in model.graph.initializer}
+    dims: dict[str, DimRange] = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param:
+                dims.setdefault(d.dim_param, DimRange(2 if "batch" in d.dim_param.lower() else 8))
+    return dims
+
+
+# ---- torch (tkopt.compile) ----------------------------------------------------------------------
+def torch_dims(examples: Sequence[Any], flat: Sequence[Any], ranges: Mapping[Any, Any]) -> dict[Any, DimRange]:
+    """Each input dim that is a plain symbol in the exported program, with its example size and
+    torch.export's range for it."""
+    import sympy
+    import torch
+
+    dims: dict[Any, DimRange] = {}
+    for ex, x in zip(examples, flat, strict=True):
+        if not isinstance(ex, torch.Tensor):
+            continue
+        for want, got in zip(ex.shape, x.shape, strict=True):
+            if isinstance(want, torch.SymInt) and isinstance(want.node.expr, sympy.Symbol):
+                vr = ranges.get(want.node.expr)
+                lo = _bound(vr.lower) if vr is not None else None
+                hi = _bound(vr.upper) if vr is not None else None
+                dims.setdefault(want.node.expr, DimRange(int(got), lo or 1, hi))
+    return dims
+
+
+def _bound(v: Any) -> int | None:
+    """A range bound as an int; None for torch's and sympy's infinities."""
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+
+    return None if v in (int_oo, -int_oo, sympy.oo, -sympy.oo) else int(v)
+
+
+def _resized(x: Any, shape: list[int], gen: Any) -> Any:
+    """An input of a new size like `x`: fresh normal values for float data, `x` tiled and cut for
+    ids, masks and other data whose values mean something (integers, bools, few distinct floats)."""
+    import torch
+
+    if list(x.shape) == shape:
+        return x
+    if x.is_floating_point() and x.numel() > 2 and torch.unique(x).numel() > 2:
+        std, mean = x.float().std(), x.float().mean()
+        return (torch.randn(shape, generator=gen) * std + mean).to(device=x.device, dtype=x.dtype)
+    if x.numel() == 0:
+        return x.new_zeros(shape)
+    reps = [max(1, -(-n // max(o, 1))) for n, o in zip(shape, x.shape, strict=True)]
+    return x.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()
+
+
+def check_module(
+    eager: Callable[..., Any],
+    fused: Callable[..., Any],
+    examples: Sequence[Any],
+    ranges: Mapping[Any, Any],
+    args: tuple,
+    kwargs: dict,
+    seed: int = 0,
+) -> Accuracy:
+    """`fused` (one tkopt.compile specialization) against `eager` at the sizes its symbolic dims admit.
+
+    `examples` are the specialization's per-input example values (FakeTensors with symbolic dims).
+    """
+    import torch
+    import torch.utils._pytree as pytree
+
+    from tkopt.frontends.fx import dtype_name
+
+    with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+    flat = [x for _, x in with_paths]
+    names = [("args" if p[0].idx == 0 else "kwargs") + pytree.keystr(p[1:]) for p, _ in with_paths]
+    dims = torch_dims(examples, flat, ranges)
+    gen = torch.Generator().manual_seed(seed)
+    feeds: list[dict[str, Any]] = []
+    for sizes in trial_sizes(dims):
+        new = []
+        for ex, x in zip(examples, flat, strict=True):
+            if isinstance(ex, torch.Tensor):
+                shape = [int(d.node.expr.subs(sizes)) if isinstance(d, torch.SymInt) else int(d) for d in ex.shape]
+                x = _resized(x, shape, gen)
+            new.append(x)
+        feeds.append(dict(zip(names, new, strict=True)))
+    dtypes: dict[str, str] = {}
+
+    def call(fn: Callable[..., Any]) -> Callable[[Feeds], dict[str, np.ndarray]]:
+        def run(f: Feeds) -> dict[str, np.ndarray]:
+            a, kw = pytree.tree_unflatten(list(f.values()), spec)
+            with torch.no_grad():
+                leaves = [t for t in pytree.tree_leaves(fn(*a, **kw)) if isinstance(t, torch.Tensor)]
+            out = {}
+            for i, t in enumerate(leaves):
+                dtypes[f"output_{i}"] = dtype_name(t.dtype)
+                t = t.detach().cpu()
+                out[f"output_{i}"] = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+            return out
+
+        return run
+
+    return sweep(feeds, call(eager), call(fused), fused_runner="tkopt.compile", unfused_runner="eager",
+                 dtypes=dtypes)

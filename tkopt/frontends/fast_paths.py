@@ -1,0 +1,104 @@
+"""torch's fused inference fast paths written as the aten ops they compute, so the fusions see them.
+
+In eval mode without autograd, nn.TransformerEncoderLayer and nn.MultiheadAttention call
+aten._transformer_encoder_layer_fwd / aten._native_multi_head_attention: one opaque op per layer,
+which Dynamo (and torch.export, for modules whose parameters need no grad) records as is and no
+pass can fuse. These decompositions restate them op by op (projections, attention, residual adds,
+LayerNorms, the feed-forward), reproducing what the native CPU/CUDA kernels compute:
+- q is scaled by 1/sqrt(head_dim) before Q K^T;
+- the mask (bool, or float as nn.MultiheadAttention passes it after canonicalizing a bool mask) is
+  read as "nonzero = masked out"; masked scores are -inf before a plain softmax, so a fully masked
+  row gives NaN, as the native kernel does;
+- mask_type: 0 a (L, S) mask, 1 a (B, S) key-padding mask, 2 a mask broadcastable to (B, H, L, S).
+Without a mask and without returned weights the attention is SDPA; its default scale is the same.
+`FAST_PATH_DECOMPOSITIONS` feeds AOTAutograd's `decompositions` and ExportedProgram.run_decompositions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+aten = torch.ops.aten
+
+
+def _heads(x: Tensor, heads: int) -> Tensor:
+    """(B, L, H*D) -> (B, H, L, D)."""
+    b, n, _ = x.shape
+    return x.view(b, n, heads, -1).transpose(1, 2)
+
+
+def _masked(mask: Tensor, mask_type: int | None, batch: int, heads: int, q_len: int, k_len: int) -> Tensor:
+    """The native kernels' boolean "masked out" tensor, broadcastable to (B, H, L, S)."""
+    masked = mask if mask.dtype == torch.bool else mask != 0
+    if mask_type == 1:
+        return masked.view(batch, 1, 1, k_len)
+    if mask_type == 0:
+        return masked.view(1, 1, q_len, k_len)
+    return masked
+
+
+def native_multi_head_attention(
+    query: Tensor, key: Tensor, value: Tensor, embed_dim: int, num_head: int, qkv_weight: Tensor,
+    qkv_bias: Tensor, proj_weight: Tensor, proj_bias: Tensor, mask: Tensor | None = None,
+    need_weights: bool = True, average_attn_weights: bool = True, mask_type: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """aten._native_multi_head_attention: (output, attention weights or an empty tensor)."""
+    wq, wk, wv = qkv_weight.chunk(3)
+    bq, bk, bv = qkv_bias.chunk(3)
+    q = _heads(F.linear(query, wq, bq), num_head)
+    k = _heads(F.linear(key, wk, bk), num_head)
+    v = _heads(F.linear(value, wv, bv), num_head)
+    batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
+    weights = query.new_empty(0)
+    if mask is None and not need_weights:
+        ctx = F.scaled_dot_product_attention(q, k, v)
+    else:
+        scores = (q / math.sqrt(embed_dim // num_head)) @ k.transpose(-2, -1)
+        if mask is not None:
+            scores = scores.masked_fill(_masked(mask, mask_type, batch, num_head, q_len, k_len), float("-inf"))
+        probs = scores.softmax(-1)
+        ctx = probs @ v
+        if need_weights:
+            weights = probs.mean(1) if average_attn_weights else probs
+    out = F.linear(ctx.transpose(1, 2).reshape(batch, q_len, embed_dim), proj_weight, proj_bias)
+    return out, weights
+
+
+def transformer_encoder_layer_fwd(
+    src: Tensor, embed_dim: int, num_heads: int, qkv_weight: Tensor, qkv_bias: Tensor, proj_weight: Tensor,
+    proj_bias: Tensor, use_gelu: bool, norm_first: bool, eps: float, norm_weight_1: Tensor, norm_bias_1: Tensor,
+    norm_weight_2: Tensor, norm_bias_2: Tensor, ffn_weight_1: Tensor, ffn_bias_1: Tensor, ffn_weight_2: Tensor,
+    ffn_bias_2: Tensor, mask: Tensor | None = None, mask_type: int | None = None,
+) -> Tensor:
+    """aten._transformer_encoder_layer_fwd: a post- or pre-norm encoder layer, as nn.TransformerEncoderLayer."""
+
+    def norm1(x: Tensor) -> Tensor:
+        return F.layer_norm(x, (embed_dim,), norm_weight_1, norm_bias_1, eps)
+
+    def norm2(x: Tensor) -> Tensor:
+        return F.layer_norm(x, (embed_dim,), norm_weight_2, norm_bias_2, eps)
+
+    def attention(x: Tensor) -> Tensor:
+        return native_multi_head_attention(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
+                                           proj_bias, mask, False, True, mask_type)[0]
+
+    def ffn(x: Tensor) -> Tensor:
+        h = F.linear(x, ffn_weight_1, ffn_bias_1)
+        return F.linear(F.gelu(h) if use_gelu else F.relu(h), ffn_weight_2, ffn_bias_2)
+
+    if norm_first:
+        x = src + attention(norm1(src))
+        return x + ffn(norm2(x))
+    x = norm1(src + attention(src))
+    return norm2(x + ffn(x))
+
+
+FAST_PATH_DECOMPOSITIONS: dict[Any, Any] = {
+    aten._native_multi_head_attention.default: native_multi_head_attention,
+    aten._transformer_encoder_layer_fwd.default: transformer_encoder_layer_fwd,
+}
