@@ -36,7 +36,7 @@ from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
 from .masks import MaskAnalysis, aligned, prove_causal
-from .patterns import GraphIndex, norm_axis
+from .patterns import GraphIndex, norm_axes, norm_axis
 from .pipeline import register
 from .shapes import LOCAL_EVALUATORS, Shape, Shapes, as_int, same
 
@@ -128,15 +128,10 @@ def _strip(view: _View, v: Value, reader: Node, nodes: list[Node]) -> Value:
         v, reader = p.inputs[0], p
 
 
-def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, list[Node]] | None:
-    """Reshape(Expand(Unsqueeze(x, a))) folding the new axis into a neighbour: (x, a, merged lo, reps, nodes).
-
-    The reshape merges 5-D axes (lo, lo + 1), one of which is the new axis a. The caller decides
-    what that means: new axis right after the head axis is repeat_interleave (head h reads h // g),
-    right before it is tile (h reads h % Hkv).
-    """
-    nodes = [reshape]
-    x5 = _strip(view, reshape.inputs[0], reshape, nodes)
+def _unsqueeze_expand(view: _View, v: Value, reader: Node, nodes: list[Node]) -> tuple[Value, int, int, Shape] | None:
+    """v = Expand(Unsqueeze(x, a)) broadcasting only the new axis a (5-D), read by `reader`:
+    (x, a, reps, expanded shape), the nodes appended to `nodes`."""
+    x5 = _strip(view, v, reader, nodes)
     exp = view.producer(x5)
     if exp is None or exp.op != "Expand" or not view.only_user(x5, nodes[-1]):
         return None
@@ -147,20 +142,32 @@ def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, li
         return None
     nodes.append(unsq)
     x = unsq.inputs[0]
-    axes = unsq.attrs.get("axes")
-    axes = [axes] if isinstance(axes, int) else axes
+    axes = norm_axes(unsq.attrs.get("axes"), 5)
     src, exp_shape = view.shapes.shape(u_out), view.shapes.shape(x5)
-    out = view.shapes.shape(reshape.outputs[0])
-    if x.rank != 4 or not axes or len(axes) != 1 or src is None or exp_shape is None or out is None:
+    if x.rank != 4 or not axes or len(axes) != 1 or src is None or exp_shape is None:
         return None
-    if len(src) != 5 or len(exp_shape) != 5 or len(out) != 4:
+    if len(src) != 5 or len(exp_shape) != 5:
         return None
-    a = norm_axis(int(axes[0]), 5)
+    a = axes[0]
     if any(i != a and not same(src[i], exp_shape[i]) for i in range(5)):  # only the new axis broadcasts
         return None
     g = as_int(exp_shape[a])
-    if g is None:
+    return None if g is None else (x, a, g, exp_shape)
+
+
+def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, list[Node]] | None:
+    """Reshape(Expand(Unsqueeze(x, a))) folding the new axis into a neighbour: (x, a, merged lo, reps, nodes).
+
+    The reshape merges 5-D axes (lo, lo + 1), one of which is the new axis a. The caller decides
+    what that means: new axis right after the head axis is repeat_interleave (head h reads h // g),
+    right before it is tile (h reads h % Hkv).
+    """
+    nodes = [reshape]
+    found = _unsqueeze_expand(view, reshape.inputs[0], reshape, nodes)  # type: ignore[arg-type]
+    out = view.shapes.shape(reshape.outputs[0])
+    if found is None or out is None or len(out) != 4:
         return None
+    x, a, g, exp_shape = found
     # The reshape merges axis a with a neighbour (a+1 -> tile order, a-1 -> interleave order).
     for lo in (a - 1, a):
         if lo < 0 or lo + 1 > 4:
@@ -172,9 +179,12 @@ def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, li
     return None
 
 
-def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node]] | None:
+def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node], int] | None:
     """Reshape(Transpose(Reshape(x, (B*H, S, D)), [0, 2, 1]), (B, H, D, S)): x with its last two axes
-    swapped, as the dynamo exporter writes K^T for SDPA. Proven on symbolic shapes: (source, nodes)."""
+    swapped, as the dynamo exporter writes K^T for SDPA. Proven on symbolic shapes: (source, nodes, group).
+
+    With static GQA shapes the first Reshape reads the head repeat itself, Expand(Unsqueeze(k, 2)) of shape
+    (B, Hkv, g, S, D) flattened to (B*Hkv*g, S, D): repeat_interleave order, so the source is k, group g."""
     nodes = [r2]
     t_out = _strip(view, r2.inputs[0], r2, nodes)
     t = view.producer(t_out)
@@ -188,15 +198,21 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node]] | None:
     if r1 is None or r1.op != "Reshape" or not view.only_user(r1_out, nodes[-1]):
         return None
     nodes.append(r1)
-    x = r1.inputs[0]
+    x, group = r1.inputs[0], 1
     xs, s1, s2 = view.shapes.shape(x), view.shapes.shape(r1_out), view.shapes.shape(r2.outputs[0])
+    if xs is not None and len(xs) == 5:
+        found = _unsqueeze_expand(view, x, r1, nodes)  # type: ignore[arg-type]
+        if found is None or found[1] != 2:
+            return None
+        x, _, group, xs = found[0], found[1], found[2], found[3]
+        xs = (xs[0], xs[1] * group, xs[3], xs[4])
     if xs is None or s1 is None or s2 is None or (len(xs), len(s1), len(s2)) != (4, 3, 4):
         return None
     b, h, sq, d = xs
     if same(s1[0], b * h) and same(s1[1], sq) and same(s1[2], d) and all(
         same(o, w) for o, w in zip(s2, (b, h, d, sq), strict=True)
     ):
-        return x, nodes
+        return x, nodes, group  # type: ignore[return-value]
     return None
 
 
@@ -249,9 +265,12 @@ def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool) -> _P
                 return out
             factor = c if p.op == "Mul" else 1.0 / c
             st, reader = replace(st, value=x, scale=st.scale * factor, nodes=[*st.nodes, p]), p
-        elif p.op == "Reshape" and (sw := _swap_via_3d(view, p)) is not None:
+        elif p.op == "Reshape" and (sw := _swap_via_3d(view, p)) is not None and (
+            sw[2] == 1 or (st.group == 1 and not st.reads)
+        ):
             net = _compose(st.net, list(SWAP))
-            st, reader = replace(st, value=sw[0], net=net, nodes=[*st.nodes, *sw[1]]), sw[1][-1]
+            st = replace(st, value=sw[0], net=net, nodes=[*st.nodes, *sw[1]], group=st.group * sw[2])
+            reader = sw[1][-1]
         elif not st.reads and st.group == 1 and (rep := _head_repeat(view, p, st.net[1], out)) is not None:
             x, g, rep_nodes = rep
             st, reader = replace(st, value=x, group=g, nodes=[*st.nodes, *rep_nodes]), rep_nodes[-1]

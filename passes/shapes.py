@@ -32,11 +32,11 @@ ELEMENTWISE = (
     "aten::le", "aten::ge", "aten::ne", "aten::bitwise_not", "aten::bitwise_and", "aten::bitwise_or",
     "aten::logical_or", "aten::masked_fill",
 )
-SAME_SHAPE = (
+SAME_SHAPE = (  # ops whose (first) output has their first input's shape
     "Softmax", "Dropout", "IsNaN", "Exp", "Erf", "Tanh", "Sigmoid", "Relu", "Reciprocal", "Gelu", "Silu", "Cos", "Sin",
-    "Abs", "Log", "Rsqrt", "Softplus", "aten::cos", "aten::sin", "LayerNormalization", "RMSNormalization",
-    "FusedAddNorm",
-    "aten::full_like", "aten::zeros_like", "aten::ones_like", "aten::dropout", "aten::native_dropout",
+    "Abs", "Log", "Rsqrt", "Softplus", "Clip", "aten::clamp", "aten::cos", "aten::sin", "LayerNormalization",
+    "RMSNormalization", "FusedAddNorm", "aten::full_like", "aten::zeros_like", "aten::ones_like", "aten::dropout",
+    "aten::native_dropout",
 )
 INT64_MAX = 2**63 - 1
 
