@@ -26,8 +26,10 @@ copied. Only tensors contiguous in neither layout are copied (`.contiguous()` in
 
 Masks: any tensor broadcastable to (B, Hq, Sq, Skv). Leading dims are added as size 1; every size-1
 dim is a broadcast dim the kernel indexes at 0 (stride-0 semantics, nothing is expanded). A float mask
-is read as float32 (converted if given in another float dtype) and added after scaling, times
-`mask_scale`; a bool mask is read as uint8 through a zero-copy view, keeps where True and puts
+is read as float32 (float64 by the cpu variant of float64 inputs; converted if given in another float
+dtype) and added after scaling, times
+`mask_scale`; a bool mask is read as uint8 through a zero-copy view, keeps where it equals `mask_keeps`
+(True; False for masked_fill's mask) and puts
 `mask_fill` elsewhere (finite fills stay finite: with a mask, GPU scores stay in the natural domain
 until exp2((s - max) * log2 e), so finfo.min * log2 e cannot overflow to -inf). `guard` says what a row
 gives whose every score is -inf ("none": NaN, "masked": 0) or that holds a NaN ("nan": 0).
@@ -35,6 +37,7 @@ gives whose every score is -inf ("none": NaN, "masked": 0) or that holds a NaN (
 
 import functools
 import math
+import struct
 from collections.abc import Sequence
 
 import tilelang.language as T
@@ -123,6 +126,13 @@ def _const(x: float, dtype: str):
     return T.cast(x, dtype) if not math.isnan(x) else T.cast(float("nan"), dtype)
 
 
+def _bits(x: float, dtype: str):
+    """The bit pattern of x as dtype ("float32" / "float64"), as a signed integer constant of its width."""
+    if dtype == "float64":
+        return T.int64(struct.unpack("<q", struct.pack("<d", x))[0])
+    return T.int32(struct.unpack("<i", struct.pack("<f", x))[0])
+
+
 def _normalized(acc, total, guard: str, dtype: str):
     """acc / total, or what the guard gives a row with total 0 (every score -inf) or NaN."""
     zero, nan = T.cast(0, dtype), T.cast(float("nan"), dtype)
@@ -147,6 +157,7 @@ def gpu_program(
     mask_scale: float = 1.0,
     mask_fill: float = -math.inf,
     guard: str = "masked",
+    mask_keeps: bool = True,
     block_M: int = 128,
     block_N: int = 128,
     num_stages: int = 2,
@@ -156,12 +167,12 @@ def gpu_program(
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
     Parameters (Q, K, V[, Mask], Output); batch, seq_q, seq_kv are dynamic. `layouts` gives the layout
-    of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask, nonzero keeps);
+    of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask);
     `mask_bcast` marks which of the mask's (B, Hq, Sq, Skv) dims have size 1. `scale` defaults to
-    1/sqrt(dim); `mask_scale`, `mask_fill` and `guard` as `reference.flash_attention_ref`. Config: block_M
-    (query rows per CTA), block_N (keys per step), num_stages, threads, and `pipelined` (sm90 fp16/bf16
-    only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for fp32, which keeps
-    the plain schedule).
+    1/sqrt(dim); `mask_scale`, `mask_fill`, `guard` and `mask_keeps` as `reference.flash_attention_ref`.
+    Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and `pipelined`
+    (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
+    fp32, which keeps the plain schedule).
     """
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
@@ -185,6 +196,9 @@ def gpu_program(
     s_log2 = scale * LOG2E
     neg_inf = -T.infinity(accum)
     fill = _const(mask_fill, accum)
+
+    def keeps(m):
+        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
     # fp32 (tf32 tensor-core math): P goes through shared memory; a float32 register fragment cannot be
     # reused as the A operand of the second GEMM (TileLang's layout inference rejects the fragment copy).
     fp32 = dtype == "float32"
@@ -235,7 +249,7 @@ def gpu_program(
             mq = 0 if bq else T.min(q_idx, seq_q - 1)
             mk = 0 if bk else T.min(k_idx, seq_kv - 1)
             if mask_kind == "bool":
-                acc_s[i, j] = T.if_then_else(Mask[mb, mh, mq, mk] != T.uint8(0), acc_s[i, j] * scale, fill)
+                acc_s[i, j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), acc_s[i, j] * scale, fill)
             elif mask_scale == 1.0:
                 acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk]
             else:
@@ -442,6 +456,7 @@ def cpu_program(
     mask_scale: float = 1.0,
     mask_fill: float = -math.inf,
     guard: str = "masked",
+    mask_keeps: bool = True,
     block_N: int = CPU_BLOCK_N,
 ):
     """The C-backend `T.prim_func`: one program per (query row, head, batch), blocks of `block_N` keys.
@@ -464,10 +479,12 @@ def cpu_program(
     o_shape = _io_shape(lo, batch, heads_q, seq_q, dim)
     has_mask = mask_kind is not None
     m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
-    m_dtype = "uint8" if mask_kind == "bool" else "float32"
+    m_dtype = "uint8" if mask_kind == "bool" else accum  # a float64 mask stays float64 (finfo.min included)
     bb, bh, bq, bk = mask_bcast
     neg_inf = -T.infinity(accum)
-    fill = _const(mask_fill, accum)
+
+    def keeps(m):
+        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
 
     def at(buf, layout, b, h, s, d):
         return buf[b, h, s, d] if layout == "bhsd" else buf[b, s, h, d]
@@ -478,6 +495,14 @@ def cpu_program(
             acc = T.alloc_local([dim], accum)
             s = T.alloc_local([block_N], accum)
             stat = T.alloc_local([4], accum)  # running max, running sum, block max, rescale factor
+            # The C backend prints float constants with 7 digits (1/sqrt(8) as 3.535534e-01): scale, mask
+            # scale and fill are set from their bits instead, exact in float64 too.
+            bits = T.alloc_local([3], "int64" if accum == "float64" else "int32")
+            exact = T.alloc_local([3], accum)
+            for c, x in enumerate((scale, mask_scale, mask_fill)):
+                bits[c] = _bits(x, accum)
+                exact[c] = T.reinterpret(bits[c], accum)
+            fill = neg_inf if mask_fill == -math.inf else exact[2]
             hk = hq // group
             for d in T.serial(dim):
                 acc[d] = 0
@@ -492,18 +517,18 @@ def cpu_program(
                         s[j] = 0
                         for d in T.serial(dim):
                             s[j] += T.cast(at(Q, lq, b, hq, qi, d), accum) * T.cast(at(K, lk, b, hk, kj, d), accum)
-                        s[j] = s[j] * scale
+                        s[j] = s[j] * exact[0]
                         if has_mask:
                             mb = 0 if bb else b
                             mh = 0 if bh else hq
                             mq = 0 if bq else qi
                             mk = 0 if bk else kj
                             if mask_kind == "bool":
-                                s[j] = T.if_then_else(Mask[mb, mh, mq, mk] != T.uint8(0), s[j], fill)
+                                s[j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), s[j], fill)
                             elif mask_scale == 1.0:
                                 s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum)
                             else:
-                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum) * T.cast(mask_scale, accum)
+                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum) * exact[1]
                 stat[2] = stat[0]
                 for j in T.serial(block_N):
                     stat[2] = T.if_then_else(s[j] > stat[2], s[j], stat[2])
@@ -684,6 +709,7 @@ def flash_attention(
     mask_scale: float = 1.0,
     mask_fill: float = -math.inf,
     guard: str = "masked",
+    mask_keeps: bool = True,
     out: torch.Tensor | None = None,
     arch: str | None = None,
     config: dict | None = None,
@@ -692,8 +718,9 @@ def flash_attention(
 
     layout "bhsd" (batch, heads, seq, dim) or "bshd" (batch, seq, heads, dim), for q, k, v and the output.
     GQA: k/v may have fewer heads, dividing q's. mask: float (added, times mask_scale) or bool (keep where
-    True, mask_fill elsewhere), broadcastable to (B, Hq, Sq, Skv). causal: top-left aligned. guard: what a
-    row whose every score is -inf ("none": NaN; "masked": 0) or that holds a NaN ("nan": 0) gives.
+    it equals mask_keeps, mask_fill elsewhere), broadcastable to (B, Hq, Sq, Skv). causal: top-left
+    aligned. guard: what a row whose every score is -inf ("none": NaN; "masked": 0) or that holds a NaN
+    ("nan": 0) gives.
     Extras: `out` (written in place and returned; q's shape and dtype, contiguous in `layout`), `arch`
     (force "sm90" / "sm80"; else arch_of), `config` (tile config dict for GPU variants; else default /
     tuned).
@@ -740,7 +767,8 @@ def flash_attention(
         if m.dtype == torch.bool:
             mask_kind, m = "bool", m.contiguous().view(torch.uint8)
         else:
-            mask_kind, m = "add", m.to(torch.float32).contiguous()
+            wide = a == "cpu" and q.dtype == torch.float64  # the cpu kernel reads float64 masks as float64
+            mask_kind, m = "add", m.to(torch.float64 if wide else torch.float32).contiguous()
         margs = (m,)
     key = (
         None,
@@ -755,6 +783,7 @@ def flash_attention(
         float(mask_scale),
         float(mask_fill),
         guard,
+        bool(mask_keeps),
     )
 
     if a == "cpu":

@@ -87,6 +87,7 @@ def flash_attention_ref(
     mask_scale: float = 1.0,
     mask_fill: float = float("-inf"),
     guard: str = "masked",
+    mask_keeps: bool = True,
 ) -> torch.Tensor:
     """softmax(T) v per head, T the scaled scores with the mask applied; every edge as eager computes it.
 
@@ -94,7 +95,8 @@ def flash_attention_ref(
     GQA: k/v may have fewer heads than q, dividing it (head h of q reads kv head h // group).
     T = q k^T * scale (scale defaults to 1/sqrt(head_dim)), then a mask broadcastable to (B, Hq, Sq, Skv):
     a float mask is added as mask * mask_scale (mask_scale: the scale a graph applies after adding it,
-    (S + M) * c); a bool mask keeps where True and sets T to mask_fill elsewhere (a finite fill stays
+    (S + M) * c); a bool mask keeps where it equals mask_keeps (True; False for masked_fill's mask) and
+    sets T to mask_fill elsewhere (a finite fill stays
     finite: a row whose every key is masked then weighs them all equally, as eager does).
     causal: query i sees keys j <= i (top-left, as torch SDPA's is_causal); later keys get no weight
     whatever their score.
@@ -118,7 +120,7 @@ def flash_attention_ref(
     s = (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
     if mask is not None:
         if mask.dtype == torch.bool:
-            s = s.masked_fill(~mask, mask_fill)
+            s = s.masked_fill(mask != mask_keeps, mask_fill)
         else:
             s = s + _acc(mask) * mask_scale
     if causal:

@@ -11,8 +11,9 @@ and the GQA head repeat of K/V (repeat_interleave semantics only) are absorbed, 
 transposed-back output become layout "bshd".
 
 The fused node reproduces the chain's arithmetic (docs/LEGALITY.md): the chain is folded in order, so
-a scale after a mask scales it (mask_scale) and a Where's fill is kept (mask_fill, finite or not); the
-guard says what a fully masked row gives. A mask proven causal from its structure (passes/masks.py),
+a scale after a mask scales it (mask_scale), a Where's fill is kept (mask_fill, finite or not) with
+which of its condition's values keeps (mask_keeps: False for masked_fill's mask), and the guard says
+what a fully masked row gives. A mask proven causal from its structure (passes/masks.py),
 for every admitted length, becomes causal=1; any other mask becomes the mask input, its producers
 staying outside. Q, K, V, the mask and the output must provably share batch, heads and lengths the
 way the kernels read them (passes/shapes.py).
@@ -45,7 +46,6 @@ SWAP = (0, 1, 3, 2)  # K^T from a BHSD K
 BSHD = (0, 2, 1, 3)  # BHSD from BSHD, and back
 BSHD_KT = (0, 2, 3, 1)  # K^T from a BSHD K
 PASS_THROUGH = ("Identity", "aten::clone", "aten::contiguous", "aten::alias")
-NOT_OPS = ("Not", "aten::bitwise_not", "aten::logical_not")
 CHAIN_OPS = ("Cast", "Identity", "Add", "Mul", "Div", "Where", "aten::masked_fill")
 
 
@@ -321,7 +321,6 @@ class _Match:
     masks: _Masks
     k_transposed: bool  # True: K enters as K^T (MatMul form); False: as K (SDPA)
     guard: str  # FusedAttention's guard: what a row with every key masked (or a NaN) gives
-    gqa: bool = False  # SDPA's enable_gqa: K/V heads may divide Q's
 
 
 Reads = list[tuple[Value, tuple[int, ...], list[Node]]]
@@ -389,6 +388,7 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
     attrs = {
         "scale": 0.0 if scale is None else float(scale), "causal": m.masks.causal, "layout": layout,
         "mask_scale": m.masks.mask_scale, "mask_fill": m.masks.mask_fill, "guard": m.guard,
+        "mask_keeps": m.masks.mask_keeps,
     }
     try:
         fuse(view.graph, nodes, "FusedAttention", inputs, [out], attrs)
@@ -408,13 +408,15 @@ def _bhsd(view: _View, src: _Src) -> Shape | None:
 def _check_operands(view: _View, m: _Match, q: _Src, k: _Src, v: _Src) -> None:
     """FusedAttention takes one batch, K and V of one shape, and Q heads that K/V heads divide as GQA:
     prove the graph's operands are such, for every admitted size (a MatMul broadcasting a batch or
-    head axis of size 1, or dims of different names, are not)."""
+    head axis of size 1, or dims of different names, are not). The K/V length and the Q/K head dim
+    need no proof: Q·K^T and ·V contract them (as SDPA requires them equal), so a run where they differ
+    fails in the original too."""
     qs, ks, vs, os = _bhsd(view, q), _bhsd(view, k), _bhsd(view, v), view.shapes.shape(m.out)
     if qs is None or ks is None or vs is None or os is None or len(os) != 4:
         raise _Refuse("Q, K, V or the output have unknown shapes: cannot prove them one batch and head layout")
     names = ("batch", "heads", "length", "head dim")
-    for i, (a, b, what) in enumerate(((qs, ks, "Q and K"), (qs, vs, "Q and V"), (ks, vs, "K and V"))):
-        for axis in ((0, 3) if i == 0 else (0,) if i == 1 else (0, 1, 2)):
+    for a, b, axes, what in ((qs, ks, (0,), "Q and K"), (qs, vs, (0,), "Q and V"), (ks, vs, (0, 1), "K and V")):
+        for axis in axes:
             if not same(a[axis], b[axis]):
                 raise _Refuse(f"{names[axis]} of {what} ({a[axis]} vs {b[axis]}) are not provably equal")
     for axis, want in ((0, qs[0]), (1, qs[1]), (2, qs[2]), (3, vs[3])):
@@ -423,7 +425,8 @@ def _check_operands(view: _View, m: _Match, q: _Src, k: _Src, v: _Src) -> None:
     hq, hk = qs[1], ks[1] * k.group
     if same(hq, hk) or same(hk, 1):
         return
-    if m.gqa and as_int(hq) is not None and as_int(ks[1]) is not None and as_int(hq) % as_int(ks[1]) == 0:
+    # SDPA with fewer K/V heads runs only as GQA (enable_gqa, or the backend ops that take it implicitly)
+    if not m.k_transposed and as_int(hq) is not None and as_int(ks[1]) is not None and as_int(hq) % as_int(ks[1]) == 0:
         return
     raise _Refuse(f"query heads {hq} are neither key/value heads {hk} nor a GQA multiple of them")
 
@@ -493,12 +496,13 @@ class _Term:
 
 @dataclass
 class _Masks:
-    """What FusedAttention gets for the chain's masks (see fused_ops: mask_scale, mask_fill)."""
+    """What FusedAttention gets for the chain's masks (see fused_ops: mask_scale, mask_fill, mask_keeps)."""
 
     causal: int = 0
     mask: Value | None = None
     mask_scale: float = 1.0
     mask_fill: float = -math.inf
+    mask_keeps: int = 1
 
 
 def _fold(chain: list[tuple]) -> tuple[float | None, list[_Term]]:
@@ -564,21 +568,14 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
     out = _Masks(causal=int(bool(causal)))
     if explicit:
         out.mask, out.mask_scale, out.mask_fill = _mask_input(view, explicit[0], shape)
+        out.mask_keeps = int(explicit[0].kind != "drop")
     return out
 
 
 def _mask_input(view: _View, t: _Term, shape: Shape | None) -> tuple[Value, float, float]:
-    """(mask input, mask_scale, mask_fill) for the explicit term: a bool keep-mask with its fill, or an
-    additive mask with the scale applied after it."""
+    """(mask input, mask_scale, mask_fill) for the explicit term: a bool mask with its fill (which of its
+    values keeps is the term's kind), or an additive mask with the scale applied after it."""
     m = t.value
-    if t.kind == "drop":
-        c, p = view.const(m), view.producer(m)
-        if c is not None:
-            m = Value(view.graph.fresh_name(f"{m.name}_keep"), "bool", m.shape, const=~c.astype(bool))
-        elif p is not None and p.op in NOT_OPS:
-            m = p.inputs[0]  # type: ignore[assignment]
-        else:
-            raise _Refuse(f"Where keeps the scores where {m.name} is False: needs an inverted bool mask")
     if t.kind != "add" and m.dtype not in (None, "bool"):
         raise _Refuse(f"Where condition {m.name} is {m.dtype}, not bool")
     if t.kind == "add" and m.dtype == "bool":
@@ -882,7 +879,7 @@ def _match_softmax(view: _View, sm: Node) -> _Match:
 # ---- canonical ScaledDotProductAttention ------------------------------------------------------------
 def _match_sdpa(view: _View, n: Node) -> _Match:
     """torch's SDPA: softmax(Q K^T * scale + mask) V, a bool mask keeping where True, is_causal top-left,
-    and rows with every key masked giving 0 (its safe softmax: guard "masked")."""
+    rows with every key masked giving 0 (its safe softmax: guard "masked"), fewer K/V heads as GQA."""
     q, k, v, mask = [*n.inputs, None, None][:4]
     if float(n.attrs.get("dropout_p", 0.0) or 0.0) > 0:
         raise _Refuse(f"dropout_p={n.attrs['dropout_p']} (training) in {n.name}")
@@ -901,7 +898,7 @@ def _match_sdpa(view: _View, n: Node) -> _Match:
         k=_peel(view, k, n, allow_scale=False),
         v=_peel(view, v, n, allow_scale=False),
         out=n.outputs[0], scale=float(scale) if scale > 0 else None, masks=masks, k_transposed=False,
-        guard="masked", gqa=bool(n.attrs.get("enable_gqa", 0)),
+        guard="masked",
     )
 
 

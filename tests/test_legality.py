@@ -115,6 +115,15 @@ class AddThenScale(nn.Module):
         return _attend((q @ k.transpose(-1, -2) + mask[:, None, None, :]) * 2e-4, v)
 
 
+class PaddingEq0(nn.Module):
+    """masked_fill(attention_mask == 0, -inf): the mask computed from an int input, True where it masks."""
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        return _attend(w, v)
+
+
 class SdpaMask(nn.Module):
     """SDPA with a bool key mask (rows of a fully padded batch entry have every key masked)."""
 
@@ -259,6 +268,9 @@ CASES = {
                                    {"causal": 0, "mask_fill": -2.0, "scale": 2e-4}, mask_input=True),
     "add_then_scale": Case(AddThenScale, lambda b, s: (_x(b, s), torch.where(torch.rand(b, s) > 0.3, 0.0, -1e4)),
                            ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"mask_scale": 2e-4, "scale": 2e-4}),
+    "masked_fill_eq0_padding": Case(PaddingEq0, lambda b, s: (_x(b, s), _keep(b, s, empty=True).long()),
+                                    ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"mask_keeps": 0, "guard": "none"},
+                                    mask_input=True),
     "sdpa_fully_masked_batch": Case(SdpaMask, lambda b, s: (_x(b, s), _keep(b, s, empty=True)),
                                     ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"causal": 0}, mask_input=True),
     # defect 5: the dynamo export of SDPA(enable_gqa=True)

@@ -80,7 +80,7 @@ def _attention(ins: Sequence[torch.Tensor | None], attrs: dict[str, Any]) -> lis
         ref.flash_attention_ref(
             q, k, v, causal=bool(attrs["causal"]), mask=mask, scale=None if scale <= 0 else scale,
             layout=attrs["layout"], mask_scale=attrs["mask_scale"], mask_fill=attrs["mask_fill"],
-            guard=attrs["guard"],
+            guard=attrs["guard"], mask_keeps=bool(attrs["mask_keeps"]),
         )
     ]
 
@@ -112,7 +112,7 @@ SCHEMAS: dict[str, FusedOpSchema] = {
             ("Y",), frozenset(), {"trans_b": 0, "activation": "silu"}, _gated,
         ),
         # O = softmax(T) V with T = Q K^T * scale + mask * mask_scale (float mask), or
-        # Where(mask, Q K^T * scale, mask_fill) (bool mask: True keeps); causal drops keys after the
+        # Where(mask == mask_keeps, Q K^T * scale, mask_fill) (bool mask); causal drops keys after the
         # query (top-left). guard: what a row gives whose every T is -inf ("none": NaN, as softmax;
         # "masked": 0, as SDPA) or that holds a NaN ("nan": 0, as Where(IsNaN(p), 0, p)).
         # layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA).
@@ -120,7 +120,7 @@ SCHEMAS: dict[str, FusedOpSchema] = {
         FusedOpSchema(
             "FusedAttention", ("Q", "K", "V", "mask"), frozenset({"mask"}), ("O",), frozenset(),
             {"scale": 0.0, "causal": 0, "layout": "bhsd", "mask_scale": 1.0, "mask_fill": float("-inf"),
-             "guard": "masked"}, _attention,
+             "guard": "masked", "mask_keeps": 1}, _attention,
         ),
         # Y = Norm(X + residual) over the last axis; Sum = X + residual (emitted when used later).
         FusedOpSchema(

@@ -54,7 +54,7 @@ def run_kernel(op: str, inputs: Sequence[Tensor | None], attrs: dict[str, Any]) 
         return [kernels.flash_attention(q, k, v, causal=bool(attrs["causal"]), mask=mask,
                                         scale=None if scale <= 0 else scale, layout=attrs["layout"],
                                         mask_scale=float(attrs["mask_scale"]), mask_fill=float(attrs["mask_fill"]),
-                                        guard=attrs["guard"])]
+                                        guard=attrs["guard"], mask_keeps=bool(attrs["mask_keeps"]))]
     if op == "FusedAddNorm":
         x, residual, weight, bias = inputs
         if attrs["kind"] == "layer":

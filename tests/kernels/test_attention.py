@@ -148,6 +148,8 @@ def test_cpu_mask_scale_and_finite_fills():
     for fill in (-1e4, float(torch.finfo(torch.float32).min)):
         out = flash_attention(q, k, v, mask=keep, mask_fill=fill, causal=True)
         _assert_same(out, _ref(q, k, v, mask=keep, mask_fill=fill, causal=True))
+        # masked_fill's mask: True masks (mask_keeps=False)
+        _assert_same(flash_attention(q, k, v, mask=~keep, mask_fill=fill, causal=True, mask_keeps=False), out)
         uniform = v[0].repeat_interleave(2, 0)[:, :5].mean(1)  # causal row 4: keys 0..4, all masked
         torch.testing.assert_close(out[0, :, 4], uniform, rtol=1e-5, atol=1e-5)
 
@@ -167,6 +169,18 @@ def test_cpu_guards_fully_masked_rows_and_nan(guard):
     assert out[0, :, 3].isnan().all() == (guard == "none") and (out[0, :, 3] == 0).all() == (guard != "none")
     assert out[0, 1, 2].isnan().all() == (guard != "nan")
     assert not out[0, 0, [0, 1, 2, 4, 5]].isnan().any() and not out[0, 1, [0, 1, 4, 5]].isnan().any()
+
+
+def test_cpu_float64_mask_keeps_its_range():
+    """A float64 additive mask of finfo(float64).min stays finite (read as float32 it would be -inf): a fully
+    masked row weighs its keys equally, as eager does, instead of giving 0."""
+    torch.manual_seed(10)
+    q, k, v = _qkv(1, 2, 2, 5, 9, 8, dtype=torch.float64)
+    m = torch.zeros(1, 1, 5, 9, dtype=torch.float64)
+    m[..., 2, :] = torch.finfo(torch.float64).min
+    out = flash_attention(q, k, v, mask=m)
+    _assert_same(out, flash_attention_ref(q, k, v, mask=m), tol=1e-12)
+    torch.testing.assert_close(out[0, :, 2], v.mean(2)[0])
 
 
 def test_cpu_scale_float64_and_head_dims():
@@ -229,7 +243,8 @@ LOWER_CASES = {
     "sm80-f16-d128-boolmask-gqa": ("sm80", "float16", 128, 8, 2, True, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
                                    (False, True, True, False), {}),
     "sm90-f16-d64-finitefill-nanguard": ("sm90", "float16", 64, 4, 4, False, ("bhsd",) * 4, "bool",
-                                         (False, True, False, False), {}, {"mask_fill": -1e4, "guard": "nan"}),
+                                         (False, True, False, False), {},
+                                         {"mask_fill": -1e4, "guard": "nan", "mask_keeps": False}),
     "sm80-bf16-d64-scaledmask-noneguard": ("sm80", "bfloat16", 64, 4, 2, True, ("bhsd",) * 4, "add",
                                            (False, True, False, False), {}, {"mask_scale": 0.125, "guard": "none"}),
 }  # fmt: skip
@@ -432,13 +447,13 @@ def test_gpu_dynamic_lengths_share_one_kernel():
     assert A.compile_gpu.cache_info().misses == misses
 
 
-# (mask kind, mask_scale, mask_fill, guard, causal): the semantics FusedAttention reproduces from graphs
+# (mask kind, mask_scale, mask_fill, guard, causal, mask_keeps): what FusedAttention reproduces from graphs
 GPU_SEMANTICS = {
-    "finite-fill-rows": ("bool", 1.0, -1e4, "masked", True),
-    "finfo-fill": ("bool", 1.0, float(torch.finfo(torch.float32).min), "none", False),
-    "scaled-mask": ("add", 0.125, float("-inf"), "masked", False),
-    "nan-rows": ("bool", 1.0, float("-inf"), "none", False),
-    "nan-guard": ("bool", 1.0, float("-inf"), "nan", True),
+    "finite-fill-rows": ("bool", 1.0, -1e4, "masked", True, True),
+    "finfo-fill": ("bool", 1.0, float(torch.finfo(torch.float32).min), "none", False, True),
+    "scaled-mask": ("add", 0.125, float("-inf"), "masked", False, True),
+    "nan-rows": ("bool", 1.0, float("-inf"), "none", False, True),
+    "nan-guard-masked-fill": ("bool", 1.0, float("-inf"), "nan", True, False),
 }
 
 
@@ -447,11 +462,12 @@ GPU_SEMANTICS = {
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 def test_gpu_semantics_match_reference(variant, case):
     """Finite fills (a fully masked row weighs its keys equally), a scaled additive mask, NaN rows under plain
-    softmax and the NaN guard, on both archs (fp16, D=64, lengths not multiples of a tile)."""
+    softmax and the NaN guard, masked_fill's mask (True masks), on both archs (fp16, D=64, lengths not
+    multiples of a tile)."""
     major, _ = torch.cuda.get_device_capability()
     if variant == "sm90" and major != 9:
         pytest.skip("sm90 variant needs a Hopper GPU")
-    kind, mask_scale, fill, guard, causal = GPU_SEMANTICS[case]
+    kind, mask_scale, fill, guard, causal, keeps = GPU_SEMANTICS[case]
     torch.manual_seed(11)
     q, k, v = _qkv(2, 4, 2, 150, 211, 64, dtype=torch.float16, device="cuda")
     if kind == "add":
@@ -462,7 +478,7 @@ def test_gpu_semantics_match_reference(variant, case):
         mask[1, 0, 140:] = False  # rows in the last query block
     if guard == "nan":
         q[1, 2, 33, 5] = float("nan")
-    kw = dict(causal=causal, mask=mask, mask_scale=mask_scale, mask_fill=fill, guard=guard)
+    kw = dict(causal=causal, mask=mask, mask_scale=mask_scale, mask_fill=fill, guard=guard, mask_keeps=keeps)
     out = flash_attention(q, k, v, arch=variant, **kw)
     torch.cuda.synchronize()
     ref = flash_attention_ref(q.float(), k.float(), v.float(), **kw)

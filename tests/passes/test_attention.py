@@ -301,13 +301,17 @@ def test_bool_mask_where() -> None:
     assert node.inputs[3] is cond
 
 
-def test_masked_fill_form_takes_the_un_negated_mask() -> None:
+@pytest.mark.parametrize("negated", [True, False])
+def test_masked_fill_form_keeps_where_the_mask_is_false(negated: bool) -> None:
+    """Where(m, -inf, scores) (masked_fill): the mask input is m itself, mask_keeps=0 (m == 0 from a padding
+    input, or Not(keep), need no new node)."""
     b = _Builder()
     q, k, v = _qkv(b)
     keep = b.bool_input("keep", B, 1, 1, 13)
-    s = b.op("Where", b.op("Not", keep), b.const("ninf", np.float32(NEG_INF)), _scores(b, q, k))
-    node = _one(*b.run(_attend(b, s, v)))
-    assert node.inputs[3] is keep
+    m = b.op("Not", keep) if negated else b.op("Equal", b.op("Cast", keep, to="float32"), b.const("z", np.float32(0)))
+    s = b.op("Where", m, b.const("ninf", np.float32(NEG_INF)), _scores(b, q, k))
+    node = _one(*b.run(_attend(b, s, v)), mask_keeps=0)
+    assert node.inputs[3] is m
 
 
 def test_casts_around_softmax_llama_form() -> None:
@@ -512,6 +516,33 @@ def test_scale_after_additive_mask_scales_the_mask() -> None:
     q, k, v = _qkv(b)
     s = b.op("Mul", b.op("Add", _scores(b, q, k), b.input("m", B, 1, 1, 13)), b.const("c", np.float32(0.3)))
     _one(*b.run(_attend(b, s, v)), scale=0.3, mask_scale=0.3)
+
+
+def test_scales_around_an_additive_mask_fold_in_order() -> None:
+    """(S * a + M) * b: scale a*b, the mask scaled by b only."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Mul", _scores(b, q, k), b.const("a", np.float32(0.5)))
+    s = b.op("Div", b.op("Add", s, b.input("m", B, 1, 1, 13)), b.const("c", np.float32(4.0)))
+    _one(*b.run(_attend(b, s, v)), scale=0.125, mask_scale=0.25)
+
+
+def test_refuse_mask_scaled_by_a_negative_factor() -> None:
+    """(-S + M) * -0.1: positive overall, but the mask flips sign (-inf becomes +inf): not a mask any more."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Add", b.op("Mul", _scores(b, q, k), b.const("n", np.float32(-1))), b.input("m", B, 1, 1, 13))
+    _refused(*b.run(_attend(b, b.op("Mul", s, b.const("c", np.float32(-0.1))), v)), "its fill changes sign")
+
+
+def test_refuse_finite_where_after_causal_mask() -> None:
+    """Where(keep, S + causal, -1e4): the Where's finite fill replaces the causal -inf where keep is False."""
+    b = _Builder()
+    q, k, v = _qkv(b, sq=9)
+    causal = np.triu(np.full((9, 9), NEG_INF, np.float32), 1)
+    s = b.op("Add", _scores(b, q, k), b.const("causal", causal))
+    s = b.op("Where", b.bool_input("keep", B, 1, 1, 9), s, b.const("f", np.float32(-1e4)))
+    _refused(*b.run(_attend(b, s, v)), "after the causal mask causal overwrites its -inf with the finite -10000")
 
 
 @pytest.mark.parametrize("form", ["tile", "expand_tile_order"])

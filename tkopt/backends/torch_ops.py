@@ -84,17 +84,17 @@ def _(
 @torch.library.custom_op("tkopt::fused_attention", mutates_args=())
 def fused_attention(
     Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str,
-    mask_scale: float, mask_fill: float, guard: str,
+    mask_scale: float, mask_fill: float, guard: str, mask_keeps: int,
 ) -> Tensor:
     attrs = {"scale": scale, "causal": causal, "layout": layout, "mask_scale": mask_scale, "mask_fill": mask_fill,
-             "guard": guard}
+             "guard": guard, "mask_keeps": mask_keeps}
     return execute("FusedAttention", [Q, K, V, mask], attrs)[0]
 
 
 @fused_attention.register_fake
 def _(
     Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, scale: float, causal: int, layout: str,
-    mask_scale: float, mask_fill: float, guard: str,
+    mask_scale: float, mask_fill: float, guard: str, mask_keeps: int,
 ) -> Tensor:
     return _empty(Q, [*Q.shape[:-1], V.shape[-1]])
 
@@ -121,7 +121,7 @@ CUSTOM_OPS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "FusedGemm": (torch.ops.tkopt.fused_gemm.default, ("trans_b", "activation")),
     "FusedGatedMLP": (torch.ops.tkopt.fused_gated_mlp.default, ("trans_b", "activation")),
     "FusedAttention": (torch.ops.tkopt.fused_attention.default,
-                       ("scale", "causal", "layout", "mask_scale", "mask_fill", "guard")),
+                       ("scale", "causal", "layout", "mask_scale", "mask_fill", "guard", "mask_keeps")),
     "FusedAddNorm": (torch.ops.tkopt.fused_add_norm.default, ("kind", "epsilon")),
 }
 

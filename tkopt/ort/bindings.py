@@ -57,8 +57,8 @@ def _check_dtypes(node: Node, dtype: str, arch: str, indices: tuple[int, ...]) -
 def _check_same_shape(node: Node, x: Value, r: Value) -> None:
     """The kernel adds the residual row by row: refuse a residual that broadcasts against X.
 
-    A static dim against a dynamic one (unknown or symbolic) broadcasts for some sizes, so it is
-    refused; two dynamic dims are taken as equal here and checked by the library at run time.
+    The add_norm pass fuses a residual only when its shape is provably X's (passes/shapes.py), so this
+    rechecks what the node's declared shapes show: a static dim against another static or a dynamic one.
     """
     if x.shape is None or r.shape is None or len(x.shape) != len(r.shape):
         raise Unservable(f"{node.name}: residual {r.name} rank differs from X's (a broadcasting add)")
@@ -134,10 +134,11 @@ def _attention(node: Node, arch: str) -> ProgramSpec:
     if mask is not None:
         if mask.dtype == "bool":
             mask_kind = "bool"
-        elif mask.dtype == "float32":
+        elif mask.dtype == ("float64" if arch == "cpu" and dtype == "float64" else "float32"):
             mask_kind = "add"
         else:
-            raise Unservable(f"{node.name}: mask dtype {mask.dtype} (kernel masks are bool or float32)")
+            raise Unservable(f"{node.name}: mask dtype {mask.dtype} (kernel masks are bool, float32, or float64 "
+                             "with float64 inputs on cpu)")
         if mask.shape is None or len(mask.shape) > 4:
             raise Unservable(f"{node.name}: mask {mask.name} rank must be known and <= 4")
         padded = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
@@ -148,7 +149,7 @@ def _attention(node: Node, arch: str) -> ProgramSpec:
     # The program's compile-time keys, in gpu_program / cpu_program order: the node's semantics exactly.
     args = (dtype, dim, hq, hkv, bool(node.attrs["causal"]), (layout,) * 4, mask_kind, bcast,
             None if scale <= 0 else scale, float(node.attrs["mask_scale"]), float(node.attrs["mask_fill"]),
-            node.attrs["guard"])
+            node.attrs["guard"], bool(node.attrs["mask_keeps"]))
     if arch == "cpu":
         if dtype not in ("float32", "float64"):
             raise Unservable(f"{node.name}: cpu attention is float32/float64")
