@@ -107,7 +107,7 @@ def cold_and_warm(tmp_cache: str):
 
 
 def _warm_one(spec):
-    """Compile (or load) one kernel in a worker process by calling the wrapper on small tensors."""
+    """Compile (or load) one kernel in a worker interpreter by calling the wrapper on small tensors."""
     import traceback
 
     os.environ["TKOPT_AUTOTUNE"] = "0"
@@ -183,12 +183,13 @@ def warm_specs(tests: bool = True):
 
 
 def prewarm(workers: int, tests: bool = True):
-    import multiprocessing as mp
+    import bench_attention  # this script under its module name: workers import that, never __main__
+
+    from tkopt.kernels.workers import map_in_workers
 
     specs = warm_specs(tests)
     t = time.perf_counter()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        res = pool.map(_warm_one, specs, chunksize=1)
+    res = map_in_workers(bench_attention._warm_one, specs, workers)
     wall = time.perf_counter() - t
     fails = [r for r in res if r[2]]
     times = sorted(r[1] for r in res)

@@ -1,6 +1,7 @@
 """GEMM / gated-MLP benchmark on the GPU: our TileLang kernels vs torch eager, torch.compile and cuBLAS.
 
     python benchmarks/bench_gemm.py [--out DIR]
+    python benchmarks/bench_gemm.py --fp32 [--out DIR]   # only 5.: which full-accuracy fp32 kernel is faster
 
 Measures in one run (CUDA events via triton.testing.do_bench, medians, random inputs, rotating buffers
 are not needed at these sizes: 8192^3 operands are 3 x 128 MB >> 50 MB L2):
@@ -9,9 +10,13 @@ are not needed at these sizes: 8192^3 operands are 3 x 128 MB >> 50 MB L2):
 2. gated MLP (SwiGLU) fp16 M=8192, K=4096, N=8192 (two weights): eager, torch.compile, ours.
 3. decode M=1, N=K=8192 linear+bias+gelu_tanh: eager, ours.
 4. cold compile time per kernel (fresh TileLang cache) and warm (disk-cached) load time in a new process.
+5. (--fp32) fp32 at torch's default precision: cuBLAS (A @ B) against our full-accuracy kernels, tf32x3 and
+   SIMT (FP32_TUNE_CANDIDATES), each timed and its max error against float64 relative to cuBLAS'; and at
+   "tf32" cuBLAS against our tf32 candidates. Prints which full-accuracy kind is faster (config.FP32_FULL).
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -34,6 +39,7 @@ from tkopt.kernels import tuning  # noqa: E402
 from tkopt.kernels.config import TileConfig, default_config  # noqa: E402
 from tkopt.kernels.gated_gemm import gated_mlp  # noqa: E402
 from tkopt.kernels.gemm_epilogue import (  # noqa: E402
+    FP32_TUNE_CANDIDATES,
     TUNE_CANDIDATES,
     _valid,
     compiled_kernel,
@@ -59,14 +65,80 @@ def relerr(y, ref):
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+FP32_SIZES = ((4096, 4096, 4096, True), (1024, 1024, 1024, False))  # (M, N, K, b_transposed)
+
+
+def _fp32_size(arch, M, N, K, bt) -> dict:
+    """One size of section 5: the table rows; returns {kind: fastest ms} of our kernels at "ieee"."""
+    a = torch.randn(M, K, device="cuda")
+    b = torch.randn(N, K, device="cuda") if bt else torch.randn(K, N, device="cuda")
+    ref = a.double() @ (b.double().t() if bt else b.double())
+
+    def err(y):
+        return (y.double() - ref).abs().max().item() / ref.abs().max().item()
+
+    def cublas():
+        return a @ b.t() if bt else a @ b
+
+    tflops = 2 * M * N * K / 1e9
+    log(f"\n| fp32 {M}x{N}x{K} b_transposed={bt} | precision | ms | TFLOP/s | max rel err | err / cuBLAS' |")
+    log("|---|---|---|---|---|---|")
+    fastest: dict[str, float] = {}
+    for prec in ("ieee", "tf32"):
+        torch.backends.cuda.matmul.fp32_precision = prec
+        base_err, base_ms = err(cublas()), ms(cublas)
+        log(f"| cuBLAS (A @ B) | {prec} | {base_ms:.3f} | {tflops / base_ms:.1f} | {base_err:.2e} | 1.00 |")
+        for c in FP32_TUNE_CANDIDATES[(arch, prec)]:
+            cfg = TileConfig(**c)
+            kind = cfg.math(arch, "float32", prec)
+            try:
+                e = err(gemm_custom(a, b, cfg, b_transposed=bt, arch=arch))
+                t = ms(functools.partial(gemm_custom, a, b, cfg, b_transposed=bt, arch=arch))
+            except Exception as exc:  # a candidate that fails is reported, not fatal
+                log(f"| ours {kind} {cfg.describe()} | {prec} | failed: {type(exc).__name__}: {exc} ||||")
+                continue
+            log(f"| ours {kind} {cfg.describe()} | {prec} | {t:.3f} | {tflops / t:.1f} | {e:.2e} | "
+                f"{e / base_err:.2f} |")
+            if prec == "ieee":
+                fastest[kind] = min(t, fastest.get(kind, float("inf")))
+    return fastest
+
+
+def fp32_section():
+    """5.: full-accuracy fp32 (tf32x3 vs SIMT vs cuBLAS at "highest"), and tf32 (ours vs cuBLAS at "tf32")."""
+    arch = "sm90" if torch.cuda.get_device_capability()[0] == 9 else "sm80"
+    keys = [(arch, N, K, torch.float32, TileConfig(**c), bt, False, None, False, False, None, prec)
+            for _, N, K, bt in FP32_SIZES for prec in ("ieee", "tf32") for c in FP32_TUNE_CANDIDATES[(arch, prec)]]
+    t = time.time()
+    res = precompile(keys)
+    log(f"fp32: precompiled {len(res)} kernels in {time.time() - t:.1f} s; failed: "
+        f"{[(k[4], e) for k, (_, e) in res.items() if e]}")
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        for M, N, K, bt in FP32_SIZES:
+            fastest = _fp32_size(arch, M, N, K, bt)
+            x3, simt = fastest.get("tf32x3", float("inf")), fastest.get("simt", float("inf"))
+            log(f"fp32 full accuracy at {M}x{N}x{K}: fastest tf32x3 {x3:.3f} ms, fastest SIMT {simt:.3f} ms -> "
+                f"FP32_FULL should be {'tf32x3' if x3 <= simt else 'simt'!r}")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--fp32", action="store_true", help="only the fp32 precision comparison (section 5)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
     t_all = time.time()
+    if args.fp32:
+        fp32_section()
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_gemm_fp32.txt"), "w") as f:
+            f.write("\n".join(LINES) + "\n")
+        return
 
     # ---------------- 1. linear + bias + gelu_tanh, 8192^3 fp16
     M = N = K = 8192

@@ -3,7 +3,8 @@
 Two phases so that one device call can compile in parallel with the GPU tests:
   python benchmarks/bench_norm.py --phase compile --jobs 6   # cold-compile every kernel the bench uses
                                                              # (incl. tuning candidates) into TileLang's
-                                                             # disk cache, in parallel processes; logs times
+                                                             # disk cache, in parallel worker interpreters
+                                                             # (kernels/workers.py); logs times
   python benchmarks/bench_norm.py --phase measure            # fresh process: warm-load times, pick_config
                                                              # tuning, anchors and ours, table at the end
 Timing: triton.testing.do_bench medians (ms) on random data; inputs are several times the 60 MB L2.
@@ -12,13 +13,13 @@ Floors: bytes / 4.3 TB/s (measured d2d copy on this machine kind), flops / 790 T
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
+
+from tkopt.kernels.workers import map_in_workers
 
 BW = 4.3e12
 FLOPS = 790e12
@@ -92,10 +93,11 @@ def phase_compile(jobs_n: int, out_dir: str):
     jobs = _jobs()
     t0 = time.perf_counter()
     rows = []
-    with ProcessPoolExecutor(max_workers=jobs_n, mp_context=mp.get_context("spawn")) as ex:
-        for key, dt, err in ex.map(_compile_one, jobs):
-            rows.append({"job": key, "seconds": round(dt, 2), "error": err})
-            print(f"compile {dt:7.2f}s {'FAIL ' + err if err else 'ok'} {key}", flush=True)
+    import bench_norm  # this script under its module name: workers import that, never __main__
+
+    for key, dt, err in map_in_workers(bench_norm._compile_one, jobs, jobs_n):
+        rows.append({"job": key, "seconds": round(dt, 2), "error": err})
+        print(f"compile {dt:7.2f}s {'FAIL ' + err if err else 'ok'} {key}", flush=True)
     wall = time.perf_counter() - t0
     print(f"compile phase: {len(jobs)} kernels in {wall:.1f}s wall ({jobs_n} processes)")
     with open(os.path.join(out_dir, "compile_times.json"), "w") as f:

@@ -4,6 +4,7 @@
 # pip-installed there: a symlink shim gives the package-dir layout (tkopt.kernels = kernels/, ...).
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
+#                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES, MODELS_ARGS, MODELS_TIMEOUT (bench).
 # Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
 # tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim (and -P keeps
@@ -34,6 +35,7 @@ case "$phase" in
       s=$(date +%s)
       case "$b" in
         gemm) timeout 120 python benchmarks/bench_gemm.py --out "$out" ;;
+        gemm_fp32) timeout 150 python benchmarks/bench_gemm.py --fp32 --out "$out" ;;
         attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
         norm) timeout 60 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
               timeout 60 python benchmarks/bench_norm.py --phase measure --out "$out" ;;

@@ -21,6 +21,7 @@ _EXPORTS = {
     "softmax": "row_softmax",
     "conv2d": "conv",
     "UnsupportedError": "arch",
+    "matmul_precision": "precision",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -725,6 +725,14 @@ def flash_attention(
     (force "sm90" / "sm80"; else arch_of), `config` (tile config dict for GPU variants; else default /
     tuned).
     GPU: fp16, bf16, fp32; head dim 64 or 128. CPU: fp32, fp64; head dim <= 256.
+
+    >>> import torch
+    >>> from tkopt.kernels import flash_attention
+    >>> q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))  # (batch, heads, seq, head dim)
+    >>> o = flash_attention(q, k, v, causal=True)
+    >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> torch.allclose(o, ref, atol=1e-5)
+    True
     """
     b, hq, hkv, sq, skv = _check_inputs(q, k, v, mask, layout)
     if guard not in GUARDS:

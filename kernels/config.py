@@ -1,19 +1,28 @@
 """TileConfig: the compile-time tile knobs of the GEMM-family kernels, with validation per arch.
 
 A config is hashable (frozen dataclass) and round-trips through plain dicts (`as_dict` / `from_dict`),
-which is the form the tuning cache stores. `validate(arch, dtype)` raises `UnsupportedError` naming
-what cannot work before anything is compiled: shared memory over the arch limit, tiles that are not
-multiples of the matrix-instruction shape, thread counts the instruction cannot use, accumulators
-that cannot fit in registers.
+which is the form the tuning cache stores. `validate(arch, dtype)` raises `UnsupportedError` before
+anything is compiled, naming the constraint that failed (shared memory over the arch limit, tiles that
+are not multiples of the instruction shape, a warp tile the kernel cannot lay out, accumulators that do
+not fit in registers) and suggesting the nearest valid config, computed by searching the neighbours.
+
+How a config computes (`TileConfig.math`): "mma" (16-bit tensor cores), "tf32" (fp32 on tf32 tensor
+cores, when torch's matmul precision allows it), "tf32x3" (fp32 on tensor cores at full fp32 accuracy:
+each operand split into a tf32 high and low part, three products), "simt" (use_tensorcore=False: FMA on
+CUDA cores, exact fp32 arithmetic), "cpu" (TileLang's C backend).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import functools
+import itertools
+import math
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 from .arch import ARCHS, UnsupportedError
+from .precision import PRECISIONS
 
 # Usable shared memory per block (opt-in maximum), bytes.
 SMEM_LIMIT = {"sm90": 227 * 1024, "sm80": 163 * 1024}
@@ -22,6 +31,13 @@ _TORCH_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
                 torch.float64: "float64"}
 # Max fp32 accumulator registers per thread we accept (255 registers minus addressing/epilogue room).
 MAX_ACC_REGS = 192
+# The SIMT kernel also holds its operand fragments in registers: accumulators + fragments stay under this.
+MAX_SIMT_REGS = 224
+# SIMT lanes of a warp: 4 rows x 8 columns, each lane owning a strided (wm/4) x (wn/8) sub-tile.
+SIMT_LANES = (4, 8)
+# Full-accuracy fp32 on the GPU when no config is given: "tf32x3" or "simt". Measure with
+# `python benchmarks/bench_gemm.py --fp32` on the target GPU.
+FP32_FULL = "tf32x3"
 
 
 def dtype_name(dtype) -> str:
@@ -40,18 +56,32 @@ class TileConfig:
     """Tile shape and pipeline of a GEMM-family kernel.
 
     block_tile: (bm, bn, bk) output tile rows x cols per block and the K step.
-    warp_tile: optional (wm, wn) per-warp tile; only validated (TileLang partitions warps itself), so
-        it must tile the block and use exactly threads/32 warps (sm80) or threads/128 warpgroups x 4 (sm90).
+    warp_tile: optional (wm, wn) or (wm, wn, wk), one warp's share of the block tile. Tensor cores: the warps
+        must cover the block exactly in a layout TileLang's warp partition can give (it is then used); wk
+        must divide bk in whole MMA K steps. SIMT: each warp's 32 lanes (4 x 8) own a strided
+        (wm/4) x (wn/8) sub-tile, and wk is the K depth of the register fragments (default: 16 bytes).
+        None: the default layout.
     stages: software pipeline depth of the K loop (smem buffers per operand).
-    threads: threads per block (sm90 wgmma: a multiple of 128; TileLang adds a 128-thread TMA producer
+    threads: threads per block (sm90: a multiple of 128; TileLang adds a 128-thread TMA producer
         warpgroup of its own when it warp-specializes).
-    use_tensorcore: False only on cpu (the GPU variants are tensor-core kernels).
+    use_tensorcore: True: tensor cores (fp32: tf32, or three tf32 products for full accuracy). False: FMA on
+        CUDA cores (SIMT), exact IEEE fp32 arithmetic. Ignored on cpu (scalar C).
     swizzle: L2 rasterization panel size (T.use_swizzle), 0 = row-major block order.
-    stage_c: stage the output tile through shared memory for a wide (TMA / vector) store.
+    stage_c: stage the output tile through shared memory for a wide (TMA / vector) store (tensor cores only;
+        the SIMT kernel stores from registers).
+
+    >>> from tkopt.kernels import TileConfig
+    >>> cfg = TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True)
+    >>> cfg.validate("sm90", "float32").math("sm90", "float32")  # fp32 on tensor cores, full accuracy
+    'tf32x3'
+    >>> TileConfig(block_tile=(128, 256, 64), threads=256).validate("sm80", "float16")
+    Traceback (most recent call last):
+    ...
+    tkopt.kernels.arch.UnsupportedError: ... the sm80 limit is 163 KB. Nearest valid: TileConfig(...stages=2...)
     """
 
     block_tile: tuple[int, int, int] = (128, 128, 64)
-    warp_tile: tuple[int, int] | None = None
+    warp_tile: tuple[int, ...] | None = None
     stages: int = 3
     threads: int = 128
     use_tensorcore: bool = True
@@ -87,92 +117,269 @@ class TileConfig:
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"TileConfig: unknown fields {sorted(unknown)}; expected {sorted(names)}")
-        kw = dict(d)
-        if "block_tile" in kw:
-            kw["block_tile"] = tuple(kw["block_tile"])
-        if kw.get("warp_tile") is not None:
-            kw["warp_tile"] = tuple(kw["warp_tile"])
-        return cls(**kw)
+        return cls(**d)
 
-    def smem_bytes(self, dtype, accumulators: int = 1) -> int:
-        """Shared memory the kernel allocates: pipelined A and B tiles (B per accumulator) + C staging."""
+    def describe(self) -> str:
+        """The constructor call for this config, fields at their defaults left out."""
+        defaults = TileConfig()
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if getattr(self, f.name) != getattr(defaults, f.name) or f.name == "block_tile"]
+        return f"TileConfig({', '.join(parts)})"
+
+    def math(self, arch: str, dtype, precision: str = "ieee") -> str:
+        """How this config computes on `arch` for `dtype` under torch's fp32 matmul `precision` (module doc)."""
+        if arch == "cpu":
+            return "cpu"
+        if not self.use_tensorcore:
+            return "simt"
+        if dtype_name(dtype) != "float32":
+            return "mma"
+        return "tf32" if precision == "tf32" else "tf32x3"
+
+    def smem_bytes(self, dtype, accumulators: int = 1, precision: str = "ieee") -> int:
+        """Shared memory the kernel allocates: pipelined A and B tiles (B per accumulator), plus the tf32
+        split tiles (tf32x3) or the row padding (SIMT), plus C staging (tensor cores)."""
         e = _DTYPE_BYTES[dtype_name(dtype)]
-        ab = self.stages * (self.bm * self.bk + accumulators * self.bk * self.bn) * e
-        c = self.bm * self.bn * e if self.stage_c else 0
-        return ab + c
+        bm, bn, bk = self.block_tile
+        if not self.use_tensorcore:
+            pad = 16 // e  # one 16-byte chunk per row keeps the fragment loads free of bank conflicts
+            return self.stages * (bm * (bk + pad) + accumulators * (bn * bk + pad * max(bn, bk))) * e
+        tiles = (bm * bk + accumulators * bk * bn) * e
+        split = 2 * tiles if dtype_name(dtype) == "float32" and precision != "tf32" else 0
+        c = bm * bn * e if self.stage_c else 0
+        return self.stages * tiles + split + c
 
-    def validate(self, arch: str, dtype, accumulators: int = 1) -> TileConfig:
-        """Raise UnsupportedError (naming the problem) if this config cannot work on `arch` for `dtype`."""
+    def simt_tiles(self, dtype) -> tuple[int, int, int, int, int]:
+        """(wm, wn, wk, tm, tn) of the SIMT kernel: warp tile, fragment K depth, per-lane sub-tile.
+        Raises UnsupportedError when the block cannot be laid out (validate says why first)."""
+        problem, tiles = self._simt_layout(dtype_name(dtype))
+        if problem:
+            raise UnsupportedError(f"{self.describe()}: {problem}")
+        return tiles
+
+    def simt_owner(self, dtype, thread, i, j):
+        """(row, col) in the block tile of SIMT thread `thread`'s accumulator (i, j): warps tile the block by
+        warp_tile, and lane (r, c) of a warp's 4x8 lanes owns rows r, r+4, ... and columns c, c+8, ... of its
+        warp tile, so that a warp's fragment loads read 4 (A) and 8 (B) consecutive shared-memory rows.
+        Ints or TIR expressions."""
+        wm, wn, _, _, _ = self.simt_tiles(dtype)
+        lm, ln = SIMT_LANES
+        warp, lane = thread // 32, thread % 32
+        warps_n = self.bn // wn
+        return (warp // warps_n) * wm + lane // ln + i * lm, (warp % warps_n) * wn + lane % ln + j * ln
+
+    def _simt_layout(self, dt: str) -> tuple[str | None, tuple[int, int, int, int, int]]:
+        bm, bn, bk = self.block_tile
+        warps = self.threads // 32
+        lm, ln = SIMT_LANES
+        if self.warp_tile is None:
+            layouts = [(bm // pm, bn // (warps // pm)) for pm in range(1, warps + 1)
+                       if warps % pm == 0 and bm % pm == 0 and bn % (warps // pm) == 0]
+            layouts = [(wm, wn) for wm, wn in layouts if wm % lm == 0 and wn % ln == 0]
+            if not layouts:
+                return (f"{bm}x{bn} cannot be split over {warps} warps of {lm}x{ln} lanes"), (0,) * 5
+            wm, wn = min(layouts, key=lambda t: (abs(math.log2((t[0] // lm) / (t[1] // ln))), t))
+            wk = 0
+        else:
+            wm, wn = self.warp_tile[:2]
+            wk = self.warp_tile[2] if len(self.warp_tile) == 3 else 0
+            if bm % wm or bn % wn:
+                return f"warp_tile {self.warp_tile} does not divide the block tile", (0,) * 5
+            if (bm // wm) * (bn // wn) != warps:
+                return (f"warp_tile {self.warp_tile} gives {(bm // wm) * (bn // wn)} warps but threads={self.threads} "
+                        f"is {warps} warps"), (0,) * 5
+            if wm % lm or wn % ln:
+                return f"SIMT warp_tile {self.warp_tile} is not a multiple of the {lm}x{ln} lanes", (0,) * 5
+        if bk * _DTYPE_BYTES[dt] % 16:
+            return f"SIMT bk={bk} must span whole 16-byte chunks ({16 // _DTYPE_BYTES[dt]} x {dt})", (0,) * 5
+        if not wk:
+            wk = 16 // _DTYPE_BYTES[dt]
+        if bk % wk:
+            return f"SIMT wk={wk} does not divide bk={bk}", (0,) * 5
+        return None, (wm, wn, wk, wm // lm, wn // ln)
+
+    def validate(self, arch: str, dtype, accumulators: int = 1, precision: str = "ieee") -> TileConfig:
+        """Raise UnsupportedError (the failed constraint and the nearest valid config) unless this config
+        works on `arch` for `dtype` with `accumulators` B operands under fp32 matmul `precision`."""
         if arch not in ARCHS:
             raise UnsupportedError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+        if precision not in PRECISIONS:
+            raise UnsupportedError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
         dt = dtype_name(dtype)
-        bad = lambda msg: UnsupportedError(f"TileConfig {self.block_tile} on {arch} ({dt}): {msg}")  # noqa: E731
-        if len(self.block_tile) != 3 or any(x <= 0 for x in self.block_tile):
-            raise bad(f"block_tile must be three positive ints (bm, bn, bk), got {self.block_tile}")
-        if self.stages < 1:
-            raise bad(f"stages must be >= 1, got {self.stages}")
-        if self.swizzle < 0:
-            raise bad(f"swizzle must be >= 0, got {self.swizzle}")
-        if arch == "cpu":
-            if dt not in ("float32", "float64"):
-                raise bad("the cpu variant supports float32 and float64")
+        problem = self.problem(arch, dt, accumulators, precision)
+        if problem is None:
             return self
+        msg = f"{self.describe()} on {arch} ({dt}): {problem}"
+        near = self._nearest_valid(arch, dt, accumulators, precision)
+        raise UnsupportedError(msg + (f". Nearest valid: {near.describe()}" if near else ""))
+
+    def problem(self, arch: str, dt: str, accumulators: int = 1, precision: str = "ieee") -> str | None:
+        """The first constraint this config fails on `arch` for dtype name `dt`, or None if it is valid."""
+        bm, bn, bk = self.block_tile if len(self.block_tile) == 3 else (0, 0, 0)
+        if len(self.block_tile) != 3 or min(self.block_tile) <= 0:
+            return f"block_tile must be three positive ints (bm, bn, bk), got {self.block_tile}"
+        if self.warp_tile is not None and (len(self.warp_tile) not in (2, 3) or min(self.warp_tile) <= 0):
+            return f"warp_tile must be (wm, wn) or (wm, wn, wk) of positive ints, got {self.warp_tile}"
+        if self.stages < 1:
+            return f"stages must be >= 1, got {self.stages}"
+        if self.swizzle < 0:
+            return f"swizzle must be >= 0, got {self.swizzle}"
+        if arch == "cpu":
+            return None if dt in ("float32", "float64") else "the cpu variant supports float32 and float64"
         if dt not in ("float16", "bfloat16", "float32"):
-            raise bad("GPU variants support float16, bfloat16 and float32 (tf32 tensor cores)")
-        if not self.use_tensorcore:
-            raise bad("use_tensorcore=False has no GPU variant (only the cpu variant is scalar)")
+            return "GPU variants support float16, bfloat16 and float32"
         if self.threads <= 0 or self.threads > 1024 or self.threads % 32:
-            raise bad(f"threads must be a positive multiple of 32 and <= 1024, got {self.threads}")
+            return f"threads must be a positive multiple of 32 and <= 1024, got {self.threads}"
+        if self.use_tensorcore:
+            problem = self._tensorcore_problem(arch, dt)
+        else:
+            problem, (_, _, wk, tm, tn) = self._simt_layout(dt)
+            if problem is None:
+                regs = accumulators * tm * tn + (tm + accumulators * tn) * wk * _DTYPE_BYTES[dt] // 4
+                if accumulators * tm * tn > MAX_ACC_REGS or regs > MAX_SIMT_REGS:
+                    problem = (f"SIMT lanes own {tm}x{tn} outputs x {accumulators} accumulator(s) plus wk={wk} "
+                               f"fragments: {regs} registers per thread (> {MAX_SIMT_REGS}); use more threads, a "
+                               "smaller tile or a smaller wk")
+        if problem:
+            return problem
+        smem = self.smem_bytes(dt, accumulators, precision)
+        if smem > SMEM_LIMIT[arch]:
+            what = ", C staging" if self.stage_c and self.use_tensorcore else ""
+            what += ", tf32 split tiles" if self.math(arch, dt, precision) == "tf32x3" else ""
+            return (f"needs {smem // 1024} KB of shared memory ({self.stages} stages{what}); the {arch} limit is "
+                    f"{SMEM_LIMIT[arch] // 1024} KB")
+        acc_regs = accumulators * bm * bn // self.threads
+        if self.use_tensorcore and acc_regs > MAX_ACC_REGS:
+            return (f"{accumulators} fp32 accumulator(s) of {bm}x{bn} over {self.threads} threads need {acc_regs} "
+                    f"registers per thread (> {MAX_ACC_REGS}); use more threads or a smaller tile")
+        return None
+
+    def _tensorcore_problem(self, arch: str, dt: str) -> str | None:
+        bm, bn, bk = self.block_tile
         kmul = 16 if _DTYPE_BYTES[dt] == 2 else 8  # MMA K: 16 for 16-bit inputs, 8 for tf32
-        if self.bk % kmul:
-            raise bad(f"bk={self.bk} is not a multiple of the MMA K ({kmul} for {dt})")
+        if bk % kmul:
+            return f"bk={bk} is not a multiple of the MMA K ({kmul} for {dt})"
         if arch == "sm90":
             if self.threads % 128:
-                raise bad(f"wgmma needs whole warpgroups: threads={self.threads} is not a multiple of 128")
+                return f"wgmma needs whole warpgroups: threads={self.threads} is not a multiple of 128"
             groups = self.threads // 128
-            if self.bm % (64 * groups) and self.bn % (8 * groups):
-                raise bad(f"bm={self.bm} / bn={self.bn} cannot be split over {groups} warpgroups "
-                          "(wgmma M=64 per warpgroup, N a multiple of 8)")
-            if self.bm % 64:
-                raise bad(f"bm={self.bm} is not a multiple of the wgmma M (64)")
-            if self.bn % 8 or self.bn > 256 * groups:
-                raise bad(f"bn={self.bn} must be a multiple of 8 and <= 256 per warpgroup")
+            if bm % 64:
+                return f"bm={bm} is not a multiple of the wgmma M (64)"
+            if bn % 8 or bn > 256 * groups:
+                return f"bn={bn} must be a multiple of 8 and <= 256 per warpgroup"
         else:
-            warps = self.threads // 32
-            if self.bm % 16 or self.bn % 8:
-                raise bad(f"bm={self.bm} must be a multiple of 16 and bn={self.bn} of 8 (mma m16n8)")
-            if (self.bm // 16) * (self.bn // 8) < warps:
-                raise bad(f"tile too small for {warps} warps")
+            if bm % 16 or bn % 8:
+                return f"bm={bm} must be a multiple of 16 and bn={bn} of 8 (mma m16n8)"
+            if (bm // 16) * (bn // 8) < self.threads // 32:
+                return f"tile too small for {self.threads // 32} warps"
+        if self.warp_tile is None:
+            return None
+        wm, wn = self.warp_tile[:2]
+        if len(self.warp_tile) == 3 and (bk % self.warp_tile[2] or self.warp_tile[2] % kmul):
+            return f"warp_tile wk={self.warp_tile[2]} must divide bk={bk} in whole MMA K steps ({kmul} for {dt})"
+        if bm % wm or bn % wn:
+            return f"warp_tile {self.warp_tile} does not divide the block tile"
+        warps = self.threads // 32
+        if (bm // wm) * (bn // wn) != warps:
+            return (f"warp_tile {self.warp_tile} gives {(bm // wm) * (bn // wn)} warps but threads={self.threads} is "
+                    f"{warps} warps")
+        layouts = _warp_layouts(arch, dt, bm, bn, self.threads)
+        if (bm // wm, bn // wn) not in layouts.values():
+            options = sorted({(bm // m, bn // n) for m, n in layouts.values()})
+            return f"warp_tile {self.warp_tile} is not a layout TileLang's warp partition gives; possible: {options}"
+        return None
+
+    def warp_policy(self, arch: str, dtype) -> int:
+        """TileLang's GemmWarpPolicy (0 square, 1 full row, 2 full col) that lays warps out as warp_tile."""
+        if self.warp_tile is None:
+            return 0
+        grid = (self.bm // self.warp_tile[0], self.bn // self.warp_tile[1])
+        return next(p for p, g in _warp_layouts(arch, dtype_name(dtype), self.bm, self.bn, self.threads).items()
+                    if g == grid)
+
+    def _nearest_valid(self, arch: str, dt: str, accumulators: int, precision: str) -> TileConfig | None:
+        """The valid config fewest changes away (one field, then two), ties broken by the smallest change."""
+        moves = self._moves()
+        for depth in (1, 2):
+            found = []
+            for combo in itertools.combinations(moves, depth):
+                if len({name for name, _, _ in combo}) < depth:
+                    continue
+                cfg = self
+                for name, value, _ in combo:
+                    cfg = replace(cfg, **{name: value})
+                try:
+                    ok = cfg.problem(arch, dt, accumulators, precision) is None
+                except (ValueError, ZeroDivisionError):
+                    ok = False
+                if ok:
+                    found.append((sum(cost for _, _, cost in combo), cfg.describe(), cfg))
+            if found:
+                return min(found, key=lambda f: f[:2])[2]
+        return None
+
+    def _moves(self) -> list[tuple[str, object, float]]:
+        """Single-field changes (field, new value, cost): halve/double a size, other stage counts."""
+        moves: list[tuple[str, object, float]] = []
+        for i, x in enumerate(self.block_tile):
+            # halve/double, and the powers of two either side (a size that is not a multiple of anything)
+            below = 1 << max(x.bit_length() - 1, 0)
+            for v in {x // 2, x * 2, x // 4, x * 4, below, below * 2} - {x}:
+                if v >= 8:
+                    t = list(self.block_tile)
+                    t[i] = v
+                    moves.append(("block_tile", tuple(t), abs(math.log2(v / x))))
+        # Both block dims halved/doubled together (a smaller square tile), and the K step with them.
+        for f in (0.5, 2):
+            moves.append(("block_tile", (int(self.bm * f), int(self.bn * f), self.bk), 1.5))
+        moves += [("stages", s, 0.5 * abs(s - self.stages)) for s in range(1, 7) if s != self.stages]
+        moves += [("threads", t, abs(math.log2(t / self.threads))) for t in (64, 128, 256, 512) if t != self.threads]
+        moves.append(("stage_c", not self.stage_c, 1.0))
         if self.warp_tile is not None:
-            wm, wn = self.warp_tile
-            if self.bm % wm or self.bn % wn:
-                raise bad(f"warp_tile {self.warp_tile} does not divide the block tile")
-            if wm % 16 or wn % 8:
-                raise bad(f"warp_tile {self.warp_tile} is not a multiple of the MMA tile (16, 8)")
-            if (self.bm // wm) * (self.bn // wn) != self.threads // 32:
-                raise bad(f"warp_tile {self.warp_tile} gives {(self.bm // wm) * (self.bn // wn)} warps "
-                          f"but threads={self.threads} is {self.threads // 32} warps")
-        smem = self.smem_bytes(dt, accumulators)
-        if smem > SMEM_LIMIT[arch]:
-            raise bad(f"needs {smem // 1024} KB of shared memory ({self.stages} stages"
-                      f"{', C staging' if self.stage_c else ''}); the {arch} limit is {SMEM_LIMIT[arch] // 1024} KB")
-        acc_regs = accumulators * self.bm * self.bn // self.threads
-        if acc_regs > MAX_ACC_REGS:
-            raise bad(f"{accumulators} fp32 accumulator(s) of {self.bm}x{self.bn} over {self.threads} threads "
-                      f"need {acc_regs} registers per thread (> {MAX_ACC_REGS}); use more threads or a smaller tile")
-        return self
+            moves.append(("warp_tile", None, 2.0))
+            for i in range(len(self.warp_tile)):
+                for f in (0.5, 2):
+                    w = list(self.warp_tile)
+                    w[i] = int(w[i] * f)
+                    if w[i] >= 1:
+                        moves.append(("warp_tile", tuple(w), 1.0))
+        return moves
+
+
+@functools.lru_cache(maxsize=256)
+def _warp_layouts(arch: str, dt: str, bm: int, bn: int, threads: int) -> dict[int, tuple[int, int]]:
+    """{policy: (warps along M, warps along N)} as TileLang partitions warps for this tile and instruction."""
+    import tilelang  # noqa: F401  (puts its bundled tvm on the path)
+    from tilelang import ir
+
+    from .arch import target_of
+
+    inst = "cuda.wgmma" if arch == "sm90" and _DTYPE_BYTES[dt] == 2 else "cuda.mma"
+    target = target_of(arch)
+    return {p: tuple(int(w) for w in ir.GemmWarpPolicy(p, 0, 0).compute_warp_partition(bm, bn, threads, target, inst))
+            for p in (0, 1, 2)}
 
 
 def default_config(arch: str, dtype, accumulators: int = 1, m: int | None = None, n: int | None = None,
-                   sms: int | None = None) -> TileConfig:
+                   sms: int | None = None, precision: str = "ieee") -> TileConfig:
     """Heuristic config per arch (no tuning). Given the output size (m, n) and the GPU's SM count, the
     largest tile whose grid still covers every SM: a 128x256 tile leaves most of an H200 idle on a
-    2048x512 projection (32 CTAs for 132 SMs)."""
+    2048x512 projection (32 CTAs for 132 SMs). fp32 at precision "ieee" gets the FP32_FULL kernel."""
     dt = dtype_name(dtype)
     if arch == "cpu":
         return TileConfig(block_tile=(32, 32, 32), stages=1, threads=1, use_tensorcore=False, swizzle=0,
                           stage_c=False)
     if dt == "float32":
+        if precision == "ieee" and FP32_FULL == "simt":
+            if accumulators == 2:
+                return TileConfig(block_tile=(64, 128, 16), stages=3, threads=256, use_tensorcore=False)
+            return TileConfig(block_tile=(128, 128, 16), stages=3, threads=256, use_tensorcore=False)
+        if precision == "ieee":
+            if accumulators == 2:  # four accumulators (gate and up, each with its tf32x3 correction)
+                return TileConfig(block_tile=(64, 64, 32), stages=2, threads=256)
+            if arch == "sm80":
+                return TileConfig(block_tile=(128, 128, 32), stages=2, threads=256, stage_c=False)
+            return TileConfig(block_tile=(128, 128, 32), stages=2, threads=256)
         if arch == "sm80" and accumulators == 2:
             return TileConfig(block_tile=(64, 64, 32), stages=2, threads=128)
         return TileConfig(block_tile=(128, 128, 32), stages=3 if arch == "sm90" else 2,

@@ -239,7 +239,15 @@ def conv2d(x, w, bias=None, act=None, stride=1, padding=0, dilation=1, groups: i
            out: torch.Tensor | None = None, arch: str | None = None):
     """act(conv2d(x, w) + bias) for NCHW x and (F, C, KH, KW) w; returns NCHW (channels_last memory).
 
+    act: None or a GEMM activation ("relu", "gelu", ...). groups=1 only. GPU: fp16/bf16/fp32; cpu: fp32/fp64.
     `out`: optional preallocated contiguous NHWC (N, OH, OW, F) buffer; the result is its NCHW view.
+
+    >>> import torch
+    >>> from tkopt.kernels import conv2d
+    >>> x, w, b = torch.randn(2, 3, 9, 9), torch.randn(8, 3, 3, 3), torch.randn(8)
+    >>> y = conv2d(x, w, b, act="relu", stride=2, padding=1)
+    >>> torch.allclose(y, torch.relu(torch.nn.functional.conv2d(x, w, b, stride=2, padding=1)), atol=1e-4)
+    True
     """
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor):

@@ -10,17 +10,25 @@ Weights: (K, N) each, or (N, K) linear weights with weights_transposed=True.
 
 from .arch import UnsupportedError
 from .config import TileConfig, default_config
-from .gemm_epilogue import _check_tensor, _launch, _resolve_config, check_inputs, gemm_program, select_config
+from .gemm_epilogue import (
+    _check_tensor,
+    _launch,
+    _resolve_config,
+    check_inputs,
+    fp32_precision,
+    gemm_program,
+    select_config,
+)
 from .tuning import median_ms
 
 GATED_ACTS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
 
 
 def gated_mlp_program(arch, N, K, dtype, config: TileConfig, *, weights_transposed=False, has_bias=False,
-                      act="silu", m=None):
+                      act="silu", m=None, precision="ieee"):
     """The fused gated-MLP program (args: X (M,K), Wg, Wu, [bg (N,), bu (N,)], Out (M,N)); M dynamic if m is None."""
     return gemm_program(arch, N, K, dtype, config, b_transposed=weights_transposed, has_bias=has_bias, act=act,
-                        gated=True, m=m)
+                        gated=True, m=m, precision=precision)
 
 
 def _check(x, w_gate, w_up, act, b_gate, b_up, weights_transposed, arch):
@@ -43,19 +51,29 @@ def gated_mlp(x, w_gate, w_up, act="silu", b_gate=None, b_up=None, *, weights_tr
               arch=None, config=None):
     """act(x @ w_gate + b_gate) * (x @ w_up + b_up), both GEMMs and the gate fused in one kernel.
 
-    x: (..., K); weights (K, N) or (N, K) with weights_transposed=True; biases (N,) (both or neither).
-    `config`: a TileConfig to force (else the default / tuned one); `arch`: force a variant.
+    x: (..., K); weights (K, N) or (N, K) with weights_transposed=True; biases (N,) (both or neither);
+    act: "silu" (SwiGLU), "gelu" / "gelu_tanh" (GeGLU), "relu" or "sigmoid". fp32 on the GPU follows torch's
+    matmul precision as `gemm` does. `config`: a TileConfig to force (else the default / tuned one);
+    `arch`: force a variant.
+
+    >>> import torch
+    >>> from tkopt.kernels import gated_mlp
+    >>> x, wg, wu = torch.randn(2, 5, 32), torch.randn(24, 32), torch.randn(24, 32)
+    >>> y = gated_mlp(x, wg, wu, "silu", weights_transposed=True)  # SwiGLU with linear weights (N, K)
+    >>> torch.allclose(y, torch.nn.functional.silu(x @ wg.T) * (x @ wu.T), atol=1e-5)
+    True
     """
     arch, M, N, K, out_shape = _check(x, w_gate, w_up, act, b_gate, b_up, weights_transposed, arch)
+    precision = fp32_precision(arch, x.dtype)
     args = (x, [w_gate, w_up], [b_gate, b_up], act, None, weights_transposed)
     if config is not None:
-        cfg = _resolve_config(config, arch, x.dtype, gated=True)
+        cfg = _resolve_config(config, arch, x.dtype, gated=True, precision=precision)
     elif M == 0 or N == 0 or K == 0:
-        cfg = default_config(arch, x.dtype, accumulators=2)
+        cfg = default_config(arch, x.dtype, accumulators=2, precision=precision)
     else:
         def run(c):
-            return median_ms(lambda: _launch(arch, c, *args, None, out_shape, M, N, K, True))
+            return median_ms(lambda: _launch(arch, c, *args, None, out_shape, M, N, K, True, precision))
 
         cfg = select_config("gated_mlp", arch, M, N, K, x.dtype, act, b_gate is not None, False,
-                            weights_transposed, run, gated=True)
-    return _launch(arch, cfg, *args, out, out_shape, M, N, K, True)
+                            weights_transposed, run, gated=True, precision=precision)
+    return _launch(arch, cfg, *args, out, out_shape, M, N, K, True, precision)

@@ -8,33 +8,40 @@ Public:
 
 Compile-time keys of `gemm_program`: arch ("sm90" | "sm80" | "cpu"), N, K, dtype, TileConfig, b_transposed,
 has_bias, act, has_residual, gated (two B operands and accumulators, gate multiplied in the epilogue: the
-gated-MLP kernel) and `m` (None: M is a dynamic dim `T.dynamic("m")`, so one compiled kernel serves every
-row count; an int specializes it). Argument order of the program: A (M,K), B (K,N) or (N,K) when
-b_transposed, [B2 (same as B) if gated], [bias (N,)], [bias2 (N,) if gated and has_bias], [residual (M,N)],
-C (M,N) -- all row-major contiguous, dtype `dtype` (C and bias/residual too).
+gated-MLP kernel), `m` (None: M is a dynamic dim `T.dynamic("m")`, so one compiled kernel serves every
+row count; an int specializes it) and `precision` (torch's fp32 matmul switch, kernels/precision.py).
+Argument order of the program: A (M,K), B (K,N) or (N,K) when b_transposed, [B2 (same as B) if gated],
+[bias (N,)], [bias2 (N,) if gated and has_bias], [residual (M,N)], C (M,N) -- all row-major contiguous,
+dtype `dtype` (C and bias/residual too).
 
-Variants (one template, differing in target and config):
-- sm90: T.gemm on shared tiles lowers to wgmma; T.copy of global tiles lowers to TMA; T.Pipelined stages
-  with TileLang's automatic producer/consumer warp specialization; output staged through shared memory.
-- sm80: T.gemm lowers to mma.sync with ldmatrix; T.copy/T.Pipelined lower to a cp.async pipeline.
+Programs (`TileConfig.math` picks one; per-arch variants differ in target and config):
+- tensor cores: T.gemm on shared tiles; on sm90 T.copy of global tiles lowers to TMA and T.Pipelined to a
+  warp-specialized producer/consumer pipeline, on sm80 to a cp.async pipeline with mma.sync. fp32 takes
+  tf32 tensor cores: one product when torch allows TF32 ("tf32"), else three ("tf32x3": each operand
+  split into a tf32 high part and a tf32 low part, a_hi*b_hi in one accumulator and a_lo*b_hi + a_hi*b_lo
+  in a second, which keeps fp32 accuracy; _tf32x3_sum says how inf and NaN stay eager's).
+- SIMT (use_tensorcore=False): FMA on CUDA cores from register fragments (exact IEEE fp32 arithmetic,
+  any GPU dtype, fp32 accumulate); cp.async pipeline into row-padded shared tiles.
 - cpu: C backend, serial scalar loops over a tile (portability and CI numerics, not speed); fp32/fp64.
-The epilogue (bias, activation, residual, gate) runs on the fp32 accumulator tile before the single store.
-GPU fp32 inputs use tf32 tensor cores (relative error ~1e-3).
+The epilogue (bias, activation, residual, gate) runs on the fp32 accumulators before the single store.
 """
 
 
 import functools
 import math
 import threading
+import time
 
 import tilelang
 import tilelang.language as T
 import torch
 
-from .arch import UnsupportedError, arch_of, run_pass_configs, run_target
+from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
+from .precision import matmul_precision
 from .reference import ACTIVATIONS
 from .tuning import median_ms
+from .workers import default_workers, map_in_workers
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float32, torch.float64)
@@ -75,15 +82,21 @@ def gemm_program(
     has_residual: bool = False,
     gated: bool = False,
     m: int | None = None,
+    precision: str = "ieee",
 ):
     """The GEMM (or gated two-GEMM) program for one set of compile-time keys (see the module docstring)."""
     dtype = dtype_name(dtype)
-    config.validate(arch, dtype, accumulators=2 if gated else 1)
+    config.validate(arch, dtype, accumulators=2 if gated else 1, precision=precision)
     if act not in ACTIVATIONS:
         raise UnsupportedError(f"act: unknown activation {act!r}; expected one of {ACTIVATIONS}")
-    if arch == "cpu":
-        return _cpu_program(N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m)
-    return _gpu_program(N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m)
+    math_kind = config.math(arch, dtype, precision)
+    flags = (b_transposed, has_bias, act, has_residual, gated, m)
+    if math_kind == "cpu":
+        return _cpu_program(N, K, dtype, config, *flags)
+    if math_kind == "simt":
+        return _simt_program(N, K, dtype, config, *flags)
+    return _gpu_program(N, K, dtype, config, *flags, split=math_kind == "tf32x3",
+                        policy=T.GemmWarpPolicy(config.warp_policy(arch, dtype)))
 
 
 def _epilogue(acc, acc2, bias_v, bias2_v, res_v, act, gated, acc_dt):
@@ -97,7 +110,37 @@ def _epilogue(acc, acc2, bias_v, bias2_v, res_v, act, gated, acc_dt):
     return x
 
 
-def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
+_TF32_MASK = 0xFFFFE000  # sign, exponent and the 10 mantissa bits a tf32 keeps
+_EXP_BITS = 0x7F800000
+
+
+def _tf32_round(x):
+    """fp32 x rounded to the nearest tf32 (ties away from zero), as an fp32 value. Where rounding up
+    would overflow to inf (and for inf/NaN) it truncates instead, so a finite value stays finite."""
+    bits = T.reinterpret(x, "uint32")
+    up = T.bitwise_and(bits + T.uint32(0x1000), T.uint32(_TF32_MASK))
+    down = T.bitwise_and(bits, T.uint32(_TF32_MASK))
+    overflow = T.bitwise_and(up, T.uint32(_EXP_BITS)) == T.uint32(_EXP_BITS)
+    return T.reinterpret(T.if_then_else(overflow, down, up), "float32")
+
+
+def _tf32_split(x):
+    """(hi, lo): x's tf32 high part and the tf32 rounding of x - hi, so that hi + lo carries 22 of fp32's 24
+    significant bits (subnormals keep tf32 precision only). For inf/NaN, lo is NaN: see _tf32x3_sum."""
+    hi = _tf32_round(x)
+    return hi, _tf32_round(x - hi)
+
+
+def _tf32x3_sum(big, small):
+    """The tf32x3 result from its two accumulators: big = sum a_hi*b_hi, small = sum a_lo*b_hi + a_hi*b_lo.
+    big alone carries eager's inf and NaN (an inf or NaN input, an overflowing product); the correction is
+    added only where big is finite, so that a low part's product (NaN for an inf input, or an opposite-signed
+    overflow) never turns eager's +-inf into NaN."""
+    finite = T.bitwise_and(T.reinterpret(big, "uint32"), T.uint32(_EXP_BITS)) != T.uint32(_EXP_BITS)
+    return T.if_then_else(finite, big + small, big)  # (not big - big == 0: TIR's simplifier folds that to true)
+
+
+def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, split, policy):
     bm, bn, bk = cfg.block_tile
     M = T.dynamic("m") if m is None else m
     acc_dt = "float32"
@@ -106,21 +149,54 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
     stages, threads, swizzle, stage_c = cfg.stages, cfg.threads, cfg.swizzle, cfg.stage_c
 
     @T.macro
+    def split_tile(src, hi, lo):
+        for i, j in T.Parallel(*src.shape[-2:]):
+            h, low = _tf32_split(src[i, j])
+            hi[i, j] = h
+            lo[i, j] = low
+
+    @T.macro
+    def mma(A_s, B_s, C_l, C_lo, A_hi, A_lo, B_hi, B_lo):
+        if split:  # three tf32 products, the two small ones in their own accumulator (_tf32x3_sum)
+            split_tile(A_s, A_hi, A_lo)
+            split_tile(B_s, B_hi, B_lo)
+            T.gemm(A_lo, B_hi, C_lo, transpose_B=b_t, policy=policy)
+            T.gemm(A_hi, B_lo, C_lo, transpose_B=b_t, policy=policy)
+            T.gemm(A_hi, B_hi, C_l, transpose_B=b_t, policy=policy)
+        else:
+            T.gemm(A_s, B_s, C_l, transpose_B=b_t, policy=policy)
+
+    @T.macro
     def body(A, B, B2, Bias, Bias2, R, C):
         with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=threads) as (bx, by):
             A_s = T.alloc_shared((bm, bk), dtype)
             B_s = T.alloc_shared(bs_shape, dtype)
             C_l = T.alloc_fragment((bm, bn), acc_dt)
+            A_hi = A_lo = B_hi = B_lo = B2_hi = B2_lo = C_lo = C2_lo = C2_l = None
+            if split:
+                A_hi = T.alloc_shared((bm, bk), dtype)
+                A_lo = T.alloc_shared((bm, bk), dtype)
+                B_hi = T.alloc_shared(bs_shape, dtype)
+                B_lo = T.alloc_shared(bs_shape, dtype)
+                C_lo = T.alloc_fragment((bm, bn), acc_dt)
             if gated:
                 B2_s = T.alloc_shared(bs_shape, dtype)
                 C2_l = T.alloc_fragment((bm, bn), acc_dt)
+                if split:
+                    B2_hi = T.alloc_shared(bs_shape, dtype)
+                    B2_lo = T.alloc_shared(bs_shape, dtype)
+                    C2_lo = T.alloc_fragment((bm, bn), acc_dt)
             if stage_c:
                 C_s = T.alloc_shared((bm, bn), dtype)
             if swizzle > 0:
                 T.use_swizzle(panel_size=swizzle)
             T.clear(C_l)
+            if split:
+                T.clear(C_lo)
             if gated:
                 T.clear(C2_l)
+                if split:
+                    T.clear(C2_lo)
             for k in T.Pipelined(T.ceildiv(K, bk), num_stages=stages):
                 T.copy(A[by * bm, k * bk], A_s)
                 if b_t:
@@ -132,14 +208,14 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
                         T.copy(B2[bx * bn, k * bk], B2_s)
                     else:
                         T.copy(B2[k * bk, bx * bn], B2_s)
-                T.gemm(A_s, B_s, C_l, transpose_B=b_t)
+                mma(A_s, B_s, C_l, C_lo, A_hi, A_lo, B_hi, B_lo)
                 if gated:
-                    T.gemm(A_s, B2_s, C2_l, transpose_B=b_t)
-            if has_bias or act is not None or has_res or gated:
+                    mma(A_s, B2_s, C2_l, C2_lo, A_hi, A_lo, B2_hi, B2_lo)
+            if has_bias or act is not None or has_res or gated or split:
                 for i, j in T.Parallel(bm, bn):
                     C_l[i, j] = _epilogue(
-                        C_l[i, j],
-                        C2_l[i, j] if gated else None,
+                        _tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j],
+                        (_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j]) if gated else None,
                         Bias[bx * bn + j] if has_bias else None,
                         Bias2[bx * bn + j] if (has_bias and gated) else None,
                         R[by * bm + i, bx * bn + j] if has_res else None,
@@ -152,6 +228,103 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
                 T.copy(C_s, C[by * bm, bx * bn])
             else:
                 T.copy(C_l, C[by * bm, bx * bn])
+
+    return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
+
+
+def _simt_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
+    """FMA on CUDA cores from register fragments; each thread owns the accumulators TileConfig.simt_owner
+    places. Shared rows are padded by 16 bytes, which puts consecutive rows in distinct banks: the warp's
+    16-byte fragment loads along K are conflict-free."""
+    bm, bn, bk = cfg.block_tile
+    _, _, wk, tm, tn = cfg.simt_tiles(dtype)
+    e = 2 if dtype in ("float16", "bfloat16") else 4
+    pad = 16 // e
+    vec = math.gcd(wk, pad)  # fragment loads of up to 16 bytes
+    M = T.dynamic("m") if m is None else m
+    acc_dt = "float32"
+    b_shape = (N, K) if b_t else (K, N)
+    bs_shape = (bn, bk + pad) if b_t else (bk, bn + pad)
+    bs_view = (slice(0, bn), slice(0, bk)) if b_t else (slice(0, bk), slice(0, bn))
+    stages, threads, swizzle = cfg.stages, cfg.threads, cfg.swizzle
+
+    @T.macro
+    def load_b(B_s, b_r, kc, tx):
+        for j in T.unroll(tn):
+            col = cfg.simt_owner(dtype, tx, 0, j)[1]
+            if b_t:
+                for qo in T.unroll(wk // vec):
+                    for qi in T.vectorized(vec):
+                        b_r[j, qo * vec + qi] = B_s[col, kc * wk + qo * vec + qi]
+            else:  # K runs down B's rows: one element per row
+                for q in T.unroll(wk):
+                    b_r[j, q] = B_s[kc * wk + q, col]
+
+    @T.macro
+    def body(A, B, B2, Bias, Bias2, R, C):
+        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=threads) as (bx, by):
+            A_s = T.alloc_shared((bm, bk + pad), dtype)
+            B_s = T.alloc_shared(bs_shape, dtype)
+            acc = T.alloc_local((tm, tn), acc_dt)
+            a_r = T.alloc_local((tm, wk), dtype)
+            b_r = T.alloc_local((tn, wk), dtype)
+            B2_s = acc2 = b2_r = None
+            if gated:
+                B2_s = T.alloc_shared(bs_shape, dtype)
+                acc2 = T.alloc_local((tm, tn), acc_dt)
+                b2_r = T.alloc_local((tn, wk), dtype)
+            tx = T.get_thread_binding()
+            if swizzle > 0:
+                T.use_swizzle(panel_size=swizzle)
+            for i, j in T.grid(tm, tn):
+                acc[i, j] = T.cast(0, acc_dt)
+                if gated:
+                    acc2[i, j] = T.cast(0, acc_dt)
+            for ko in T.Pipelined(T.ceildiv(K, bk), num_stages=stages):
+                # cp.async, not TMA: a TMA box cannot write padded rows
+                T.copy(A[by * bm, ko * bk], A_s[0:bm, 0:bk], disable_tma=True)
+                if b_t:
+                    T.copy(B[bx * bn, ko * bk], B_s[bs_view], disable_tma=True)
+                else:
+                    T.copy(B[ko * bk, bx * bn], B_s[bs_view], disable_tma=True)
+                if gated:
+                    if b_t:
+                        T.copy(B2[bx * bn, ko * bk], B2_s[bs_view], disable_tma=True)
+                    else:
+                        T.copy(B2[ko * bk, bx * bn], B2_s[bs_view], disable_tma=True)
+                for kc in T.serial(bk // wk):
+                    for i in T.unroll(tm):
+                        row = cfg.simt_owner(dtype, tx, i, 0)[0]
+                        for qo in T.unroll(wk // vec):
+                            for qi in T.vectorized(vec):
+                                a_r[i, qo * vec + qi] = A_s[row, kc * wk + qo * vec + qi]
+                    load_b(B_s, b_r, kc, tx)
+                    if gated:
+                        load_b(B2_s, b2_r, kc, tx)
+                    for q in T.unroll(wk):
+                        for i in T.unroll(tm):
+                            for j in T.unroll(tn):
+                                acc[i, j] += T.cast(a_r[i, q], acc_dt) * T.cast(b_r[j, q], acc_dt)
+                                if gated:
+                                    acc2[i, j] += T.cast(a_r[i, q], acc_dt) * T.cast(b2_r[j, q], acc_dt)
+            for i in T.unroll(tm):
+                for j in T.unroll(tn):
+                    r, c = cfg.simt_owner(dtype, tx, i, j)
+                    r, c = by * bm + r, bx * bn + c
+                    if r < M and c < N:
+                        C[r, c] = T.cast(
+                            _epilogue(
+                                acc[i, j],
+                                acc2[i, j] if gated else None,
+                                Bias[c] if has_bias else None,
+                                Bias2[c] if (has_bias and gated) else None,
+                                R[r, c] if has_res else None,
+                                act,
+                                gated,
+                                acc_dt,
+                            ),
+                            dtype,
+                        )
 
     return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
 
@@ -264,20 +437,30 @@ _LOCKS: dict[tuple, threading.Lock] = {}
 _LOCKS_LOCK = threading.Lock()
 
 
-def _compile(arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m):
+def kernel_key(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None, has_residual=False,
+               gated=False, m=None, precision="ieee") -> tuple:
+    """compiled_kernel's arguments as its cache key: dtype by name, precision "tf32" only where it changes the
+    program (fp32 on tensor cores), so that equal programs share one compiled kernel."""
+    dtype = dtype_name(dtype)
+    precision = "tf32" if config.math(arch, dtype, precision) == "tf32" else "ieee"
+    return (arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m, precision)
+
+
+def _compile(key, device=None):
+    arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m, precision = key
     func = gemm_program(arch, N, K, dtype, config, b_transposed=b_t, has_bias=has_bias, act=act,
-                        has_residual=has_res, gated=gated, m=m)
+                        has_residual=has_res, gated=gated, m=m, precision=precision)
     if arch == "cpu":
         return tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
     # sm80 on a newer GPU is built for that GPU with Hopper features off (arch.run_target says why).
-    return tilelang.compile(func, target=run_target(arch), pass_configs=run_pass_configs(arch))
+    return tilelang.compile(func, target=run_target(arch, device), pass_configs=run_pass_configs(arch, device))
 
 
 def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,
-                    has_residual=False, gated=False, m=None):
+                    has_residual=False, gated=False, m=None, precision="ieee"):
     """The compiled kernel for a key, cached in memory (never recompiled in a warm process; TileLang
     also caches on disk, so a new process loads instead of compiling)."""
-    key = (arch, N, K, dtype_name(dtype), config, b_transposed, has_bias, act, has_residual, gated, m)
+    key = kernel_key(arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m, precision)
     kern = _CACHE.get(key)
     if kern is not None:
         return kern
@@ -285,41 +468,43 @@ def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=Fals
         lock = _LOCKS.setdefault(key, threading.Lock())
     with lock:
         if key not in _CACHE:
-            _CACHE[key] = _compile(*key)
+            _CACHE[key] = _compile(key)
     return _CACHE[key]
 
 
-def _precompile_worker(key):
-    import time
-
+def _timed(compile_fn, *args):
+    """(seconds, None) or (None, error) of one compile; the error is reported, and the caller's own compile
+    raises it again if the kernel is used."""
     t = time.perf_counter()
     try:
-        _compile(*key)
-    except Exception as exc:  # reported; the caller's own compile will raise it again if it is used
-        return key, None, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return key, time.perf_counter() - t, None
+        compile_fn(*args)
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return time.perf_counter() - t, None
+
+
+def _precompile_job(job):
+    """One precompile worker job: (key, the parent's GPU as "sm_XY") -> (seconds, error)."""
+    return _timed(_compile, *job)
 
 
 def precompile(keys, workers: int | None = None) -> dict:
-    """Compile kernels (compiled_kernel's positional keys) in parallel worker processes, which fill
-    TileLang's disk cache; returns {key: (seconds or None, error or None)}. Keys already compiled in this
-    process are skipped. Later compiled_kernel calls here load from the disk cache."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    import os
+    """Compile kernels (tuples of compiled_kernel's positional arguments) in parallel; returns
+    {key: (seconds or None, error or None)} for the keys not already compiled in this process.
 
-    todo = [tuple(k[:3]) + (dtype_name(k[3]),) + tuple(k[4:]) for k in keys]
-    todo = [k for k in dict.fromkeys(todo) if k not in _CACHE]
+    Workers are fresh interpreters (kernels/workers.py: never the user's __main__) that fill TileLang's disk
+    cache, from which later compiled_kernel calls here load. With one worker, compiles here, in memory."""
+    todo = [k for k in dict.fromkeys(kernel_key(*k) for k in keys) if k not in _CACHE]
     if not todo:
         return {}
-    workers = workers or max(1, min(len(todo), (os.cpu_count() or 2) - 1))
+    workers = workers or default_workers(len(todo))
     if workers == 1 or len(todo) == 1:
-        return {k: _precompile_worker(k)[1:] for k in todo}
+        return {k: _timed(compiled_kernel, *k) for k in todo}
+    device = device_sm()
     try:
-        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            return {k: (t, e) for k, t, e in ex.map(_precompile_worker, todo)}
-    except Exception as exc:  # e.g. a broken pool: kernels then compile on first use, serially
-        return {k: (None, f"precompile pool failed: {type(exc).__name__}: {exc}") for k in todo}
+        return dict(zip(todo, map_in_workers(_precompile_job, [(k, device) for k in todo], workers), strict=True))
+    except Exception as exc:  # kernels then compile on first use, serially
+        return {k: (None, f"precompile workers failed: {type(exc).__name__}: {exc}") for k in todo}
 
 
 def _check_tensor(name, t, dev, dtype=None):
@@ -375,7 +560,8 @@ def padded_nk(arch, N, K, elt_size):
     return -(-N // al) * al, -(-K // al) * al
 
 
-def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_shape, M, N, K, gated):
+def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_shape, M, N, K, gated,
+            precision="ieee"):
     """Run the kernel; handles empty sizes, contiguity and the `out=` buffer."""
     if out is not None:
         _check_tensor("out", out, a.device, a.dtype)
@@ -414,7 +600,7 @@ def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_s
     direct = out is not None and out.is_contiguous() and Np == N
     c = out.view(M, N) if direct else torch.empty((M, Np), dtype=a.dtype, device=a.device)
     kern = compiled_kernel(arch, Np, Kp, a.dtype, config, b_transposed=b_transposed, has_bias=has_bias, act=act,
-                           has_residual=res2 is not None, gated=gated)
+                           has_residual=res2 is not None, gated=gated, precision=precision)
     kern(*args, c)
     if direct:
         return out
@@ -425,26 +611,46 @@ def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_s
     return c.reshape(out_shape)
 
 
-def _resolve_config(config, arch, dtype, gated):
+def fp32_precision(arch: str, dtype: torch.dtype) -> str:
+    """The precision key of a GEMM now: torch's fp32 matmul switch for fp32 on the GPU, else "ieee"."""
+    return matmul_precision() if arch != "cpu" and dtype == torch.float32 else "ieee"
+
+
+def _resolve_config(config, arch, dtype, gated, precision):
     if isinstance(config, dict):
         config = TileConfig.from_dict(config)
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig (or its dict), got {type(config).__name__}")
-    if arch == "cpu" and config.use_tensorcore:
+    if arch == "cpu":
         # the cpu variant is scalar: keep the user's tile sizes, drop the GPU-only knobs
         config = TileConfig(block_tile=config.block_tile, stages=1, threads=1, use_tensorcore=False, swizzle=0,
                             stage_c=False)
-    return config.validate(arch, dtype, accumulators=2 if gated else 1)
+    return config.validate(arch, dtype, accumulators=2 if gated else 1, precision=precision)
 
 
 def gemm_custom(a, b, config, bias=None, act=None, residual=None, b_transposed=False, *, out=None, arch=None):
-    """gemm with a user-chosen TileConfig (validated for the arch first: UnsupportedError names the problem)."""
+    """`gemm` with your TileConfig (or its dict), validated for the arch first: an invalid config raises
+    UnsupportedError naming the failed constraint and the nearest valid config.
+
+    On the GPU, use_tensorcore=False gives the CUDA-core (SIMT) kernel; fp32 on tensor cores follows torch's
+    matmul precision like `gemm`. On cpu the tile sizes are kept and the GPU-only knobs dropped.
+
+    >>> import torch
+    >>> from tkopt.kernels import TileConfig, gemm_custom
+    >>> a, b = torch.randn(50, 40), torch.randn(40, 30)
+    >>> config = TileConfig(block_tile=(16, 16, 8))
+    >>> torch.allclose(gemm_custom(a, b, config, act="relu"), torch.relu(a @ b), atol=1e-5)
+    True
+    """
     arch, M, N, K, out_shape = check_inputs(a, b, bias, act, residual, b_transposed, arch)
-    config = _resolve_config(config, arch, a.dtype, gated=False)
-    return _launch(arch, config, a, [b], [bias], act, residual, b_transposed, out, out_shape, M, N, K, False)
+    precision = fp32_precision(arch, a.dtype)
+    config = _resolve_config(config, arch, a.dtype, gated=False, precision=precision)
+    return _launch(arch, config, a, [b], [bias], act, residual, b_transposed, out, out_shape, M, N, K, False,
+                   precision)
 
 
-# Small tuning space per arch (16-bit inputs); fp32 uses the default config only.
+# Small tuning spaces: 16-bit inputs per arch; fp32 per arch and precision ("ieee": the tf32x3 and the SIMT
+# kernels compete, so tuning picks the faster of the two full-accuracy ways on this GPU).
 TUNE_CANDIDATES = {
     "sm90": [
         dict(block_tile=(128, 256, 64), stages=3, threads=256),
@@ -459,40 +665,73 @@ TUNE_CANDIDATES = {
         dict(block_tile=(256, 128, 32), stages=3, threads=256),
     ],
 }
+FP32_TUNE_CANDIDATES = {
+    ("sm90", "ieee"): [
+        dict(block_tile=(128, 128, 32), stages=2, threads=256),
+        dict(block_tile=(64, 128, 32), stages=3, threads=128),
+        dict(block_tile=(128, 128, 16), stages=3, threads=256, use_tensorcore=False),
+        dict(block_tile=(128, 64, 16), stages=3, threads=128, use_tensorcore=False),
+    ],
+    ("sm90", "tf32"): [
+        dict(block_tile=(128, 128, 32), stages=3, threads=256),
+        dict(block_tile=(128, 128, 32), stages=4, threads=256, stage_c=False),
+        dict(block_tile=(128, 128, 64), stages=2, threads=256),
+    ],
+    ("sm80", "ieee"): [
+        dict(block_tile=(128, 128, 32), stages=3, threads=256, stage_c=False),
+        dict(block_tile=(64, 128, 32), stages=3, threads=128),
+        dict(block_tile=(128, 128, 16), stages=3, threads=256, use_tensorcore=False),
+        dict(block_tile=(128, 64, 16), stages=3, threads=128, use_tensorcore=False),
+    ],
+    ("sm80", "tf32"): [
+        dict(block_tile=(128, 128, 32), stages=2, threads=128),
+        dict(block_tile=(128, 128, 32), stages=3, threads=256, stage_c=False),
+        dict(block_tile=(64, 128, 32), stages=3, threads=128),
+    ],
+}
 
 
-def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False) -> TileConfig:
-    """Default config, or the tuned one (kernels/tuning.py) for 16-bit GPU GEMMs with M >= 128."""
+def _candidate(cfg: TileConfig) -> dict:
+    """A config as a tuning candidate: block_tile and the fields that differ from TileConfig's defaults."""
+    defaults = TileConfig()
+    d = {"block_tile": cfg.block_tile}
+    d.update({k: getattr(cfg, k) for k in ("warp_tile", "stages", "threads", "use_tensorcore", "swizzle", "stage_c")
+              if getattr(cfg, k) != getattr(defaults, k)})
+    return d
+
+
+def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False,
+                  precision="ieee") -> TileConfig:
+    """Default config, or the tuned one (kernels/tuning.py) for GPU GEMMs with M > 64."""
     from .tuning import cached_entry, pick_config, shape_bucket, tuning_enabled
 
     acc = 2 if gated else 1
     # The memo first: this runs on every call, and building the candidates costs ~100 us of Python.
-    key = (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t)
+    key = (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t, precision)
     mkey = (kind, arch, key, gated)
     hit = _SELECTED.get(mkey)
     if hit is not None:
         return hit
-    default = default_config(arch, dtype, accumulators=acc, m=M, n=N, sms=_sm_count(arch))
-    if arch == "cpu" or dtype == torch.float32 or M <= 64:
+    default = default_config(arch, dtype, accumulators=acc, m=M, n=N, sms=_sm_count(arch), precision=precision)
+    if arch == "cpu" or M <= 64:
         _SELECTED[mkey] = default
         return default
-    cands = [c for c in TUNE_CANDIDATES[arch] if _valid(c, arch, dtype, acc)]
-    if gated:
+    space = FP32_TUNE_CANDIDATES[(arch, precision)] if dtype == torch.float32 else TUNE_CANDIDATES[arch]
+    cands = [c for c in space if _valid(c, arch, dtype, acc, precision)]
+    if gated and dtype != torch.float32:
         cands = [c for c in cands if c["block_tile"][1] <= 128] + [
             dict(block_tile=(128, 128, 64), stages=3, threads=256)] * (arch == "sm90")
         cands = list({str(c): c for c in cands}.values())
-    d = default.as_dict()
-    d = {k: d[k] for k in ("block_tile", "stages", "threads")}
-    d["block_tile"] = tuple(d["block_tile"])
 
     def bench(c):
-        return run(TileConfig(**c).validate(arch, dtype, acc))
+        return run(TileConfig(**c).validate(arch, dtype, acc, precision))
 
     if tuning_enabled(arch) and len(cands) > 1 and cached_entry(kind, arch, key) is None:
-        # compile every candidate in parallel processes first (disk cache), then time them one by one
+        # compile every candidate in parallel worker interpreters first (disk cache), then time them one by one
         Np, Kp = padded_nk(arch, N, K, torch.empty((), dtype=dtype).element_size())
-        precompile([(arch, Np, Kp, dtype, TileConfig(**c), b_t, has_bias, act, has_res, gated, None) for c in cands])
-    chosen = TileConfig(**pick_config(kind, arch, key, cands, d, bench))
+        precompile([(arch, Np, Kp, dtype, TileConfig(**c), b_t, has_bias, act, has_res, gated, None, precision)
+                    for c in cands])
+    chosen = TileConfig(**pick_config(kind, arch, key, cands, _candidate(default), bench))
     _SELECTED[mkey] = chosen
     return chosen
 
@@ -512,29 +751,37 @@ def _sm_count(arch: str) -> int | None:
     return _device_sms(torch.cuda.current_device())
 
 
-def _valid(c, arch, dtype, acc):
-    try:
-        TileConfig(**c).validate(arch, dtype, acc)
-        return True
-    except UnsupportedError:
-        return False
+def _valid(c, arch, dtype, acc, precision="ieee"):
+    return TileConfig(**c).problem(arch, dtype_name(dtype), acc, precision) is None
 
 
 def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=None, arch=None):
     """act(a @ b + bias) + residual with the epilogue fused into the store (semantics: reference.gemm_ref).
 
     a: (..., K); b: (K, N), or (N, K) with b_transposed=True (a linear weight); bias: (N,); residual: the
-    output shape (..., N). GPU: fp16/bf16/fp32 (fp32 accumulate); cpu: fp32/fp64. `out=` writes into a
-    given tensor; `arch=` forces a variant ("sm80" on an H200).
+    output shape (..., N); act: None, "relu", "gelu", "gelu_tanh", "silu" or "sigmoid". GPU: fp16/bf16/fp32
+    (fp32 accumulate); cpu: fp32/fp64. fp32 on the GPU follows torch's matmul precision as `a @ b` does:
+    full fp32 accuracy by default ("highest"), TF32 tensor cores when torch allows TF32 ("high", "medium").
+    `out=` writes into a given tensor; `arch=` forces a variant ("sm80" on an H200). The tile config is the
+    heuristic default or, on the GPU, the tuned one (cached on disk; TKOPT_AUTOTUNE=0 turns tuning off).
+
+    >>> import torch
+    >>> from tkopt.kernels import gemm
+    >>> a, b, bias = torch.randn(37, 64), torch.randn(48, 64), torch.randn(48)
+    >>> y = gemm(a, b, bias, act="gelu", b_transposed=True)  # a linear layer's weight (N, K)
+    >>> torch.allclose(y, torch.nn.functional.gelu(a @ b.T + bias), atol=1e-5)
+    True
     """
     arch, M, N, K, out_shape = check_inputs(a, b, bias, act, residual, b_transposed, arch)
+    precision = fp32_precision(arch, a.dtype)
     if M == 0 or N == 0 or K == 0:
-        cfg = default_config(arch, a.dtype)
+        cfg = default_config(arch, a.dtype, precision=precision)
     else:
         def run(cfg):
             return median_ms(lambda: _launch(arch, cfg, a, [b], [bias], act, residual, b_transposed, None,
-                                            out_shape, M, N, K, False))
+                                            out_shape, M, N, K, False, precision))
 
         cfg = select_config("gemm", arch, M, N, K, a.dtype, act, bias is not None, residual is not None,
-                            b_transposed, run)
-    return _launch(arch, cfg, a, [b], [bias], act, residual, b_transposed, out, out_shape, M, N, K, False)
+                            b_transposed, run, precision=precision)
+    return _launch(arch, cfg, a, [b], [bias], act, residual, b_transposed, out, out_shape, M, N, K, False,
+                   precision)

@@ -483,19 +483,52 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, 
     Inputs of any leading dims; non-contiguous inputs are copied to contiguous first. fp16/bf16/fp32 on GPU
     (fp32 statistics), fp32/fp64 on CPU. `out`/`sum_out`: optional preallocated contiguous outputs.
     `arch` forces a variant ('sm80' on an H200), as TKOPT_ARCH does.
+
+    >>> import torch
+    >>> from tkopt.kernels import add_layer_norm
+    >>> x, res, w, b = torch.randn(3, 7, 40), torch.randn(3, 7, 40), torch.randn(40), torch.randn(40)
+    >>> y, s = add_layer_norm(x, res, w, b)  # s = x + res, the next residual
+    >>> torch.allclose(y, torch.nn.functional.layer_norm(x + res, (40,), w, b), atol=1e-5)
+    True
     """
     return _add_norm("layer", x, residual, weight, bias, eps, return_sum, out, sum_out, arch)
 
 
 def add_rms_norm(x, residual=None, weight=None, eps: float = 1e-6, *, return_sum: bool = True,
                  out=None, sum_out=None, arch: str | None = None):
-    """(RMSNorm(x + residual) * weight, x + residual) over the last dim; only normed if not return_sum."""
+    """(RMSNorm(x + residual) * weight, x + residual) over the last dim; only normed if not return_sum.
+
+    Same inputs, dtypes and extras as add_layer_norm, without a bias.
+
+    >>> import torch
+    >>> from tkopt.kernels import add_rms_norm
+    >>> x, res, w = torch.randn(5, 24), torch.randn(5, 24), torch.randn(24)
+    >>> y = add_rms_norm(x, res, w, eps=1e-6, return_sum=False)
+    >>> torch.allclose(y, torch.nn.functional.rms_norm(x + res, (24,), w, eps=1e-6), atol=1e-5)
+    True
+    """
     return _add_norm("rms", x, residual, weight, None, eps, return_sum, out, sum_out, arch)
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, out=None, arch: str | None = None):
+    """LayerNorm(x) * weight + bias over the last dim (add_layer_norm without a residual).
+
+    >>> import torch
+    >>> from tkopt.kernels import layer_norm
+    >>> x, w = torch.randn(4, 33), torch.randn(33)
+    >>> torch.allclose(layer_norm(x, w), torch.nn.functional.layer_norm(x, (33,), w), atol=1e-5)
+    True
+    """
     return _add_norm("layer", x, None, weight, bias, eps, False, out, None, arch)
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6, *, out=None, arch: str | None = None):
+    """RMSNorm(x) * weight over the last dim (add_rms_norm without a residual).
+
+    >>> import torch
+    >>> from tkopt.kernels import rms_norm
+    >>> x, w = torch.randn(4, 33), torch.randn(33)
+    >>> torch.allclose(rms_norm(x, w), torch.nn.functional.rms_norm(x, (33,), w, eps=1e-6), atol=1e-5)
+    True
+    """
     return _add_norm("rms", x, None, weight, None, eps, False, out, None, arch)

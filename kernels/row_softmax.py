@@ -136,7 +136,18 @@ def get_softmax_kernel(n: int, dtype: str, arch: str, args=None):
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None, arch: str | None = None):
-    """softmax over `dim` (fp32 math, result in x.dtype). `out` (contiguous, x's shape) only for dim = last."""
+    """softmax over `dim` (fp32 math, result in x.dtype). `out` (contiguous, x's shape) only for dim = last.
+
+    GPU: fp16/bf16/fp32; cpu: fp32/fp64. `arch` forces a variant.
+
+    >>> import torch
+    >>> from tkopt.kernels import softmax
+    >>> x = torch.randn(2, 3, 50)
+    >>> torch.allclose(softmax(x), torch.softmax(x, -1), atol=1e-6)
+    True
+    >>> torch.allclose(softmax(x, dim=1), torch.softmax(x, 1), atol=1e-6)
+    True
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0:

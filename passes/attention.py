@@ -64,6 +64,7 @@ class _View(GraphIndex):
         super().__init__(graph)
         self.shapes = Shapes(self)
         self.masks = MaskAnalysis(self, self.shapes)
+        self.pending: dict[int, Node] = {}  # id(Value) -> the node to add if a fusion takes that value
 
     def only_user(self, v: Value, node: Node) -> bool:
         return self.sole_user(v) is node
@@ -196,7 +197,7 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node], int] | None:
     r1_out = _strip(view, t.inputs[0], t, nodes)
     r1 = view.producer(r1_out)
     if r1 is None or r1.op != "Reshape" or not view.only_user(r1_out, nodes[-1]):
-        return None
+        return _split_3d_source(view, r1_out, r2, nodes)
     nodes.append(r1)
     x, group = r1.inputs[0], 1
     xs, s1, s2 = view.shapes.shape(x), view.shapes.shape(r1_out), view.shapes.shape(r2.outputs[0])
@@ -214,6 +215,23 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node], int] | None:
     ):
         return x, nodes, group  # type: ignore[return-value]
     return None
+
+
+def _split_3d_source(view: _View, x3: Value, r2: Node, nodes: list[Node]) -> tuple[Value, list[Node], int] | None:
+    """As `_swap_via_3d` when K never exists as (B, H, S, D): the dynamo exporter's static-shape export
+    folds Reshape(Reshape(k, (B,H,S,D)), (B*H,S,D)) to k (B*H, S, D). K is then Reshape(k, (B,H,S,D)), a
+    new node added only if the fusion is made (static ONNX shapes: the torch backend adds no nodes)."""
+    xs, s2 = view.shapes.shape(x3), view.shapes.shape(r2.outputs[0])
+    if view.graph.meta.get("onnx_model") is None or xs is None or s2 is None or (len(xs), len(s2)) != (3, 4):
+        return None
+    b, h, d, sq = (as_int(x) for x in s2)
+    if None in (b, h, d, sq) or not (same(xs[0], b * h) and same(xs[1], sq) and same(xs[2], d)):
+        return None
+    graph = view.graph
+    shape = Value(graph.fresh_name(f"{x3.name}_bhsd_shape"), "int64", (4,), const=np.array([b, h, sq, d], np.int64))
+    k = Value(graph.fresh_name(f"{x3.name}_bhsd"), x3.dtype, (b, h, sq, d))
+    view.pending[id(k)] = Node("Reshape", [x3, shape], [k], {"shape": [b, h, sq, d]}, name=graph.fresh_name("Reshape"))
+    return k, nodes, 1
 
 
 # ---- Q/K/V operand peeling ------------------------------------------------------------------------
@@ -379,6 +397,9 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
         raise _Refuse(f"output dtype {out.dtype} differs from Q's {q.value.dtype}")
     _check_operands(view, m, q, k, v)
     inputs = [q.value, k.value, v.value, m.masks.mask]
+    for x in inputs:
+        if x is not None and id(x) in view.pending:
+            view.graph.add_node(view.pending.pop(id(x)))
     nodes = _with_constants(view, [*m.nodes, *q.nodes, *k.nodes, *v.nodes, *extra], inputs)
     for s in (q, k, v):
         _rewrite_shape_reads(view.graph, s.reads, s.value, s.net, nodes)

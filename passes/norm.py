@@ -7,6 +7,8 @@ Fusion covers the last axis only (what the kernel does); other norms are refused
 
 from __future__ import annotations
 
+import numpy as np
+
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
@@ -25,6 +27,17 @@ def _param_problem(what: str, p: Value | None, x: Value) -> str | None:
     if p.shape is None or len(p.shape) != 1 or d is None or p.shape[0] != d:
         return f"{what} {p.name} has shape {p.shape}, expected ({d},) for the last axis"
     return None
+
+
+def _ones(ix: GraphIndex, p: Value | None, norm: Node) -> bool:
+    """Whether weight `p` is all ones of a shape that leaves the norm's output shape alone: the dynamo
+    exporter's scale for a weightless RMSNorm at opset 23 (ONNX requires one) is ConstantOfShape(Shape(x), 1)."""
+    if p is None or norm.inputs[0] is None or norm.outputs[0].shape != norm.inputs[0].shape:
+        return False
+    if p.const is not None:
+        return bool(np.all(p.const == 1))
+    node = ix.producer(p, "ConstantOfShape")
+    return node is not None and bool(np.all(np.asarray(node.attr("value", 0.0)) == 1))
 
 
 def _residual(ix: GraphIndex, x: Value, result: PassResult, norm: Node) -> Node | None:
@@ -49,6 +62,8 @@ def _fuse_norm(graph: Graph, ix: GraphIndex, norm: Node, result: PassResult) -> 
     x = norm.inputs[0]
     weight = norm.inputs[1] if len(norm.inputs) > 1 else None
     bias = norm.inputs[2] if len(norm.inputs) > 2 else None
+    if _ones(ix, weight, norm):
+        weight = None
     if x is None:
         return False
     axis = norm.attr("axis", -1)

@@ -17,10 +17,6 @@ from pathlib import Path
 import pytest
 
 LINE = "user script body ran"
-# Until kernels/gemm_epilogue.precompile stops using a spawn pool (engineer kernlib): strict, so the
-# fix turns these into failures that ask for the mark to go; only the line count may fail (raises=).
-RERUNS_MAIN = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                reason="precompile's spawn workers re-import __main__ (issue 8)")
 
 
 def _run_once(script: str, tmp_path: Path, timeout: int) -> None:
@@ -35,7 +31,6 @@ def _run_once(script: str, tmp_path: Path, timeout: int) -> None:
         pytest.fail(f"the script failed:\n{proc.stderr[-3000:]}")
 
 
-@RERUNS_MAIN
 def test_parallel_precompile_does_not_rerun_an_unguarded_script(tmp_path: Path) -> None:
     """The worker pool precompile uses, driven directly with two CPU kernels and two workers."""
     _run_once(f"""
@@ -51,7 +46,6 @@ def test_parallel_precompile_does_not_rerun_an_unguarded_script(tmp_path: Path) 
     """, tmp_path, timeout=300)
 
 
-@RERUNS_MAIN
 @pytest.mark.gpu
 def test_compile_does_not_rerun_an_unguarded_script(tmp_path: Path) -> None:
     """tkopt.compile of a model with several GEMMs in half precision on the GPU (tuning precompiles

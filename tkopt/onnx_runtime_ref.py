@@ -72,6 +72,7 @@ def ort_session(model: onnx.ModelProto, custom_ops_library: str | None = None) -
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    so.log_severity_level = 4  # errors reach the caller as exceptions; ORT's logger would print them again
     if custom_ops_library:
         so.register_custom_ops_library(custom_ops_library)
     if model.ByteSize() < 2**31:

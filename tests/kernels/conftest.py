@@ -10,6 +10,8 @@ fixtures of the same purpose below):
   `CudaBuild` (cubin path, ptxas resource report); raises AssertionError with nvcc's output on failure.
   Results are cached per source text for the session, so module-scoped fixtures can share them.
   Skips the calling test when nvcc is not on PATH.
+  With `ptx=True` nvcc keeps its intermediates and the build carries the PTX (`CudaBuild.ptx`): which
+  instructions the kernel really uses (fma.rn.f32 for CUDA-core FMA, mma...tf32 for tensor cores).
 
 Fixtures: `cuda_compiler` (returns `cuda_compile`), `cuda_lowerer` (returns `lower_cuda`).
 GPU tests: mark with `@pytest.mark.gpu`; tests/conftest.py skips them when CUDA is unavailable.
@@ -48,6 +50,7 @@ class CudaBuild:
     arch: str
     cubin: str  # path of the compiled cubin
     log: str  # nvcc + ptxas -v output
+    ptx: str | None = None  # the PTX, when compiled with ptx=True
 
     @property
     def registers(self) -> list[int]:
@@ -69,13 +72,15 @@ def _include_flags() -> list[str]:
     return flags
 
 
-def cuda_compile(src: str, arch: str, extra: tuple[str, ...] = ()) -> CudaBuild:
+def cuda_compile(src: str, arch: str, extra: tuple[str, ...] = (), ptx: bool = False) -> CudaBuild:
     """nvcc-compile TileLang-lowered CUDA source for `arch` ("sm90" -> sm_90a, "sm80" -> sm_80)."""
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         pytest.skip("nvcc not found on PATH")
     if arch not in _NVCC_ARCH:
         raise ValueError(f"cuda_compile: arch must be sm90 or sm80, got {arch!r}")
+    if ptx:
+        extra = (*extra, "--keep", f"--keep-dir={_BUILD_DIR}")
     key = (src, arch, tuple(extra))
     if key in _BUILDS:
         return _BUILDS[key]
@@ -94,7 +99,11 @@ def cuda_compile(src: str, arch: str, extra: tuple[str, ...] = ()) -> CudaBuild:
     log = proc.stdout + proc.stderr
     if proc.returncode != 0 or not os.path.exists(cubin) or os.path.getsize(cubin) == 0:
         raise AssertionError(f"nvcc failed for {arch} (rc={proc.returncode}):\n{' '.join(cmd)}\n{log[-6000:]}")
-    build = CudaBuild(arch=arch, cubin=cubin, log=log)
+    ptx_text = None
+    if ptx:
+        with open(os.path.join(_BUILD_DIR, f"k_{h}.ptx")) as f:
+            ptx_text = f.read()
+    build = CudaBuild(arch=arch, cubin=cubin, log=log, ptx=ptx_text)
     _BUILDS[key] = build
     return build
 

@@ -2,13 +2,13 @@
 
 import json
 import math
-import multiprocessing as mp
 import os
 
 import pytest
 
 from tkopt.kernels import tuning
 from tkopt.kernels.tuning import cache_dir, pick_config, shape_bucket, tuning_enabled
+from tkopt.kernels.workers import map_in_workers
 
 CANDS = [dict(bm=64, stages=2), dict(bm=128, stages=3), dict(bm=256, stages=4)]
 DEFAULT = dict(bm=128, stages=2)
@@ -136,8 +136,7 @@ def _worker(args):
 
 def test_concurrent_processes_merge(tmp_path):
     d = str(tmp_path / "cache")
-    with mp.get_context("spawn").Pool(2) as pool:
-        res = pool.map(_worker, [(d, i) for i in range(8)])
+    res = map_in_workers(_worker, [(d, i) for i in range(8)], 2)
     assert all(r == CANDS[0] for r in res)
     data = json.loads((tmp_path / "cache" / "tune-mp-sm90.json").read_text())
     assert len(data) == 8  # no process's entry lost

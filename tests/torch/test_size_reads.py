@@ -60,7 +60,8 @@ def test_size_reads_of_a_fused_intermediate_are_rederived() -> None:
     assert report.fusions["gemm"] == 2  # linear+gelu absorbs the linear output the sizes were read off
     prepare_kernels(graph, torch.device("cpu"))
     fused = to_torch_module(graph)
-    reads = [n for n in fused.graph.nodes if n.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)]
+    size_ops = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
+    reads = [n for n in fused.graph.nodes if n.target in size_ops]
     assert reads and all(n.args[0].op == "placeholder" for n in reads)
     for b, s in [(2, 5), (3, 7), (4, 2)]:
         x = torch.randn(b, s, D)

@@ -180,6 +180,15 @@ def _layer_norm(n: fx.Node, a: dict[str, Any]) -> Mapped:
     return "LayerNormalization", [a["input"], a.get("weight"), a.get("bias")], attrs
 
 
+def _rms_norm(n: fx.Node, a: dict[str, Any]) -> Mapped:
+    """aten.rms_norm; eps=None is the input dtype's machine epsilon, as F.rms_norm documents."""
+    eps = a.get("eps")
+    if eps is None:
+        eps = torch.finfo(node_val(n.args[0]).dtype).eps
+    attrs = {"axis": -len(a["normalized_shape"]), "epsilon": float(eps)}
+    return "RMSNormalization", [a["input"], a.get("weight")], attrs
+
+
 def _gelu(n: fx.Node, a: dict[str, Any]) -> Mapped:
     return "Gelu", [a["self"]], {"approximate": a.get("approximate", "none")}
 
@@ -287,7 +296,7 @@ HANDLERS: dict[str, Handler] = {
     "t": _t, "transpose": _transpose, "permute": _permute,
     "view": _reshape, "reshape": _reshape, "_unsafe_view": _reshape,
     "softmax": _softmax, "_softmax": _softmax,
-    "layer_norm": _layer_norm, "native_layer_norm": _layer_norm, "gelu": _gelu,
+    "layer_norm": _layer_norm, "native_layer_norm": _layer_norm, "rms_norm": _rms_norm, "gelu": _gelu,
     "mean": _reduce("ReduceMean"), "sum": _reduce("ReduceSum"),
     "_to_copy": _cast, "to": _cast,
     "clone": _identity, "alias": _identity, "detach": _identity, "contiguous": _identity,
@@ -301,6 +310,23 @@ HANDLERS: dict[str, Handler] = {
     "split": _split, "split_with_sizes": _split, "tril": _trilu(0), "triu": _trilu(1),
     "index_select": _index_select,
 }
+
+
+def _unobserved_in_place(node: fx.Node) -> str | None:
+    """The out-of-place name of an in-place op (add_ -> add) whose mutated input nothing else reads.
+
+    Decompositions run below functionalization write such ops (rms_norm's `mean(...).add_(eps)` in
+    make_fx and AOTAutograd graphs): the mutation is unobservable, so the op is its functional form.
+    A mutated graph input, constant or value read elsewhere stays unmapped.
+    """
+    schema = node.target._schema
+    name = node.target.overloadpacket.__name__
+    target = node.args[0] if node.args else None
+    if not (name.endswith("_") and not name.startswith("_") and schema.arguments and schema.arguments[0].is_write):
+        return None
+    if not isinstance(target, fx.Node) or target.op != "call_function" or len(target.users) != 1:
+        return None
+    return name[:-1]
 
 
 def bind_args(target: torch._ops.OpOverload, node: fx.Node) -> dict[str, Any]:
@@ -392,9 +418,10 @@ class FxImporter:
         if not (_is_tensor(val) or _is_multi(val)):
             return  # SymInt arithmetic, guards, assertions: stay FX-only
         mapped = None
-        if isinstance(node.target, torch._ops.OpOverload):
-            handler = HANDLERS.get(node.target.overloadpacket.__name__)
-            if handler is not None and node.target.namespace == "aten":
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten":
+            name = _unobserved_in_place(node) or node.target.overloadpacket.__name__
+            handler = HANDLERS.get(name)
+            if handler is not None:
                 mapped = handler(node, bind_args(node.target, node))
         if mapped is not None and any(isinstance(x, fx.Node) and x not in self.values for x in mapped[1]):
             mapped = None  # a SymInt in a tensor slot (x * sym_size): keep the aten op as is

@@ -23,7 +23,7 @@ from typing import Any
 
 from .paths import Outcome, check, eager
 from .render import InvalidSpec, load, render
-from .shrink import checker, features, reproducer
+from .shrink import checker, features, reproducer, shrink
 from .spec import GraphSpec, generate
 
 ONNX_SLICE = ("onnx-dynamo", "onnx-dynamo-static", "onnx-script", "onnx-script-static")
@@ -106,15 +106,15 @@ class Campaign:
             if o.failed or o.status == "timeout":
                 # the same kind of failure on another path of this graph is most likely the same defect
                 again = any(p.signature()[:2] == o.signature()[:2] for p in outcomes[:-1])
-                f = self._failure(seed, spec, o, work, shrink=not again)
+                f = self._failure(seed, spec, o, work, minimize=not again)
                 self.failures.append(f)
                 log(f"seed {seed}: {o}  [{'; '.join(f.features)}]" + (f" -> {f.reproducer}" if f.reproducer else ""))
         sys.modules.pop(f"fuzz_{seed}", None)
         return outcomes
 
-    def _failure(self, seed: int, spec: GraphSpec, o: Outcome, work: Path, shrink: bool) -> Failure:
+    def _failure(self, seed: int, spec: GraphSpec, o: Outcome, work: Path, minimize: bool) -> Failure:
         key = (o.path, *o.signature())
-        if (not shrink or not o.failed or self.shrink_spent >= self.plan.shrink_total_s
+        if (not minimize or not o.failed or self.shrink_spent >= self.plan.shrink_total_s
                 or self.shrunk[key] >= self.plan.shrink_per_signature):
             return Failure(seed, o, features(spec))
         self.shrunk[key] += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import tempfile
 import traceback
 import warnings
@@ -158,6 +159,25 @@ def _quiet() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """stdout and stderr at the file-descriptor level (the TorchScript exporter prints its whole IR on
+    a failure, from C++), restored afterwards."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+@contextlib.contextmanager
 def _kernels(mode: str) -> Iterator[None]:
     old = os.environ.get("TKOPT_KERNELS")
     os.environ["TKOPT_KERNELS"] = mode
@@ -240,7 +260,8 @@ def _check_onnx(path: str, mod: ModuleType, runs: dict) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="tkopt-fuzz-") as d:
         src = Path(d) / "model.onnx"
         try:
-            export_onnx(mod.make_model(), runs[shapes[0]][0], src, dynamo=dynamo, dynamic_batch_seq=not static)
+            with _silenced():
+                export_onnx(mod.make_model(), runs[shapes[0]][0], src, dynamo=dynamo, dynamic_batch_seq=not static)
         except Exception as e:  # noqa: BLE001 - the exporter's failure, not ours
             return Outcome(path, "rejected", f"exporter: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                            shapes=shapes)

@@ -1,0 +1,50 @@
+"""kernels/workers.py and the parallel precompile: work runs in fresh interpreters that never re-run the
+user's script (issue 8: a spawn pool re-imported __main__, repeating a script without a main guard)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tkopt.kernels.workers import map_in_workers
+
+
+def test_map_in_workers_returns_results_in_job_order():
+    jobs = [f"/d{i}/f{i}" for i in range(5)]
+    assert map_in_workers(os.path.basename, jobs, 2) == [f"f{i}" for i in range(5)]
+
+
+def test_map_in_workers_refuses_main_and_reports_a_dead_worker():
+    def local(x):
+        return x
+
+    with pytest.raises(ValueError, match="not importable by a worker"):
+        map_in_workers(local, [1], 1)
+    with pytest.raises(RuntimeError, match="1 of 1 workers for .*_exit failed"):
+        map_in_workers(os._exit, [3], 1)
+
+
+def test_parallel_precompile_never_reruns_the_users_script(tmp_path):
+    """A script without `if __name__ == "__main__":` that compiles kernels in parallel prints its line once,
+    and the kernels compile (in two workers, loaded here afterwards)."""
+    script = tmp_path / "user_script.py"
+    script.write_text(textwrap.dedent("""\
+        print("USER SCRIPT TOP LEVEL", flush=True)
+        from tkopt.kernels.config import TileConfig
+        from tkopt.kernels.gemm_epilogue import _CACHE, compiled_kernel, precompile
+
+        cfg = TileConfig(block_tile=(8, 8, 8), stages=1, threads=1, use_tensorcore=False, swizzle=0, stage_c=False)
+        keys = [("cpu", n, 8, "float32", cfg, False, False, None, False, False, None) for n in (8, 16)]
+        results = precompile(keys, workers=2)
+        assert [e for _, e in results.values()] == [None, None], results
+        assert not _CACHE  # compiled in the workers, not here
+        compiled_kernel(*keys[0])  # loads from TileLang's disk cache
+        print("DONE", len(results), flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("USER SCRIPT TOP LEVEL") == 1, proc.stdout
+    assert "DONE 2" in proc.stdout
