@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tkopt.fused_ops import FLOAT_DTYPES
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
@@ -807,6 +808,7 @@ def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node], 
         training = _dropout_training(u, view)
         if training:
             raise _Refuse(f"dropout {u.name} is active (training mode) between softmax and ·V")
+        _check_cast(u, "between softmax and ·V")
         if training is None and u.op not in ("Cast", "Identity") and u.op not in PASS_THROUGH:
             nxt = view.users(u.outputs[0]) if u.outputs else []
             if any(n.op == "MatMul" and n.inputs[0] is u.outputs[0] for n in nxt):
@@ -814,6 +816,13 @@ def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node], 
             raise _Miss
         nodes.append(u)
         cur = u.outputs[0]
+
+
+def _check_cast(n: Node, where: str) -> None:
+    """A Cast on the scores or probabilities may change precision (FusedAttention computes in float32 or
+    float64), never the kind of number: a cast to an integer or bool truncates."""
+    if n.op == "Cast" and n.attrs.get("to") not in FLOAT_DTYPES:
+        raise _Refuse(f"Cast {n.name} to {n.attrs.get('to')} {where} is not a float cast")
 
 
 def _scores_chain(view: _View, sm: Node, guard: list[Node]) -> tuple[_Mm, list[Node], list[tuple]]:
@@ -833,6 +842,7 @@ def _scores_chain(view: _View, sm: Node, guard: list[Node]) -> tuple[_Mm, list[N
             return mm, nodes, chain[::-1]
         nodes.append(p)
         if p.op in ("Cast", "Identity"):
+            _check_cast(p, "between Q·K^T and softmax")
             nxt = p.inputs[0]
         elif p.op == "Add":
             lead = [_leads_to_matmul(view, i) for i in p.inputs]

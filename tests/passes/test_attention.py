@@ -503,6 +503,20 @@ def test_where_fill_zero_is_reproduced() -> None:
     _one(*b.run(_attend(b, s, v)), mask_fill=0.0)
 
 
+@pytest.mark.parametrize("after_softmax", [False, True])
+def test_refuse_integer_cast_of_scores_or_probabilities(after_softmax: bool) -> None:
+    """Cast to int64 and back truncates: not a precision change the fused op could absorb."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Mul", _scores(b, q, k), b.const("c", np.float32(3.0)))
+    if not after_softmax:
+        s = b.op("Cast", b.op("Cast", s, to="int64"), to="float32")
+    p = b.op("Softmax", s, axis=-1)
+    if after_softmax:
+        p = b.op("Cast", b.op("Cast", p, to="int64"), to="float32")
+    _refused(*b.run(b.op("MatMul", p, v)), "to int64")
+
+
 def test_refuse_two_masks() -> None:
     b = _Builder()
     q, k, v = _qkv(b)
