@@ -40,7 +40,7 @@ from .base import FusionError, PassResult, fuse
 from .masks import MaskAnalysis, aligned, prove_causal
 from .patterns import GraphIndex, norm_axes, norm_axis
 from .pipeline import register
-from .shapes import LOCAL_EVALUATORS, Shape, Shapes, as_int, same
+from .shapes import LOCAL_EVALUATORS, Shape, as_int, same
 
 IDENT = (0, 1, 2, 3)
 SWAP = (0, 1, 3, 2)  # K^T from a BHSD K
@@ -63,7 +63,6 @@ class _View(GraphIndex):
 
     def __init__(self, graph: Graph) -> None:
         super().__init__(graph)
-        self.shapes = Shapes(self)
         self.masks = MaskAnalysis(self, self.shapes)
         self.pending: dict[int, Node] = {}  # id(Value) -> the node to add if a fusion takes that value
 
@@ -937,10 +936,12 @@ def _match_sdpa(view: _View, n: Node) -> _Match:
 def fuse_attention(graph: Graph, result: PassResult) -> None:
     """Fuse every decomposed or canonical scaled-dot-product attention into FusedAttention."""
     anchors = [n for n in graph.nodes if n.op in ("Softmax", "ScaledDotProductAttention") and not n.domain]
+    view = _View(graph)
     for anchor in anchors:
         if not any(n is anchor for n in graph.nodes):
             continue
-        view = _View(graph)
+        view.refresh()
+        view.pending.clear()
         try:
             m = _match_softmax(view, anchor) if anchor.op == "Softmax" else _match_sdpa(view, anchor)
             _fuse_match(view, m, result, anchor)

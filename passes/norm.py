@@ -14,7 +14,7 @@ from tkopt.ir import Graph, Node, Value
 from .base import FusionError, PassResult, fuse
 from .patterns import GraphIndex, is_last_axis, is_op, last_dim
 from .pipeline import register
-from .shapes import Shapes, shape_mismatch
+from .shapes import shape_mismatch
 
 KINDS = {"LayerNormalization": "layer", "RMSNormalization": "rms"}
 
@@ -49,7 +49,7 @@ def _residual(ix: GraphIndex, x: Value, result: PassResult, norm: Node) -> Node 
     a, b = add.inputs[0], add.inputs[1]
     if a is None or b is None or a.const is not None or b.const is not None:
         return None  # a bias or constant shift: not a residual; the GEMM pass takes a bias
-    shapes = Shapes(ix)
+    shapes = ix.shapes
     problem = shape_mismatch(shapes, a, x) or shape_mismatch(shapes, b, x)
     if problem:
         result.refuse(norm, f"residual Add {add.name} not fused ({problem}): normalized without the add")
