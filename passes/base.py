@@ -16,8 +16,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
-
 from tkopt.fused_ops import schema
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 
@@ -68,15 +66,19 @@ def legality_problem(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Valu
             if (outside or graph.is_output(v)) and id(v) not in wanted:
                 who = outside[0].name if outside else "the graph output"
                 return f"intermediate {v.name} (from {n.name}) is also used by {who}"
-    g = graph.to_networkx()
-    member = set(nodes)
-    for n in nodes:
-        for succ in g.successors(n):
-            if succ in member:
-                continue
-            reach = nx.descendants(g, succ)
-            if reach & member:
-                return f"path leaves the match at {succ.name} and re-enters it"
+    # One walk forward from every node the match feeds: reaching the match again is a cycle.
+    exits = {id(u): u for n in nodes for v in n.outputs for u in users.get(id(v), []) if id(u) not in inside}
+    stack = [(u, u) for u in exits.values()]  # (node, where the path left the match)
+    seen = set(exits)
+    while stack:
+        n, left_at = stack.pop()
+        for v in n.outputs:
+            for u in users.get(id(v), []):
+                if id(u) in inside:
+                    return f"path leaves the match at {left_at.name} and re-enters it"
+                if id(u) not in seen:
+                    seen.add(id(u))
+                    stack.append((u, left_at))
     return None
 
 
