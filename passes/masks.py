@@ -81,6 +81,8 @@ def steps(coef: Sequence[int], cuts: Sequence[int], values: Sequence[Any]) -> St
             merged[-1] = (c, v)
             continue
         merged.append((c, v))
+    if len(merged) == 1:  # no cut left: a constant
+        return Steps(tuple(0 for _ in coef), (), (merged[0][1],))
     new_coef = tuple(c // (sign * g) for c in coef)
     return Steps(new_coef, tuple(c for c, _ in merged[:-1]), tuple(v for _, v in merged))  # type: ignore[misc]
 
@@ -492,6 +494,65 @@ def _range(ma: MaskAnalysis, p: Node, depth: int) -> Fn | None:
     return Affine((delta,), start)
 
 
+def _gather_index(ma: MaskAnalysis, p: Node, depth: int) -> Fn | None:
+    """aten::index(x, idx_0, ..., idx_r-1) with one index tensor per axis of x (no skipped axis, so the
+    flattened operands are unambiguous): out[o] = x[idx_0(o), ...]. Each index must be an iota over one
+    output axis that provably has the indexed axis' size (0 <= index < size: no negative wrap-around)."""
+    src = ma.shape(p.inputs[0])
+    out = ma.shape(p.outputs[0])
+    fn = ma.fn(p.inputs[0], depth)
+    idx = p.inputs[1:]
+    if fn is None or src is None or out is None or len(idx) != len(src) or any(i is None for i in idx):
+        return None
+    form, const = [0] * len(out), 0
+    for a, i in enumerate(idx):
+        g = ma.fn(i, depth)
+        g = None if g is None else broadcast_to(g, ma.shape(i), out)
+        if not isinstance(g, Affine) or g.const != 0 or sorted(g.coef) != [0] * (len(out) - 1) + [1]:
+            return None
+        axis = g.coef.index(1)
+        if not same(out[axis], src[a]):
+            return None
+        form[axis] += fn.coef[a]
+    if isinstance(fn, Affine):
+        return Affine(tuple(form), fn.const + const)
+    return steps(form, fn.cuts, fn.values)
+
+
+def _cumsum(ma: MaskAnalysis, p: Node, depth: int) -> Fn | None:
+    """aten::cumsum of a constant c along `dim`: c * (index + 1) (0 for c = 0, a bool False)."""
+    fn = ma.fn(p.inputs[0], depth)
+    rank = ma.rank(p.outputs[0])
+    if not isinstance(fn, Steps) or any(fn.coef) or rank is None or "dim" not in p.attrs:
+        return None
+    c = fn.values[0]
+    if not isinstance(c, np.integer | np.bool_ | int | bool):
+        return None
+    axis = norm_axes(p.attrs["dim"], rank)[0]  # type: ignore[index]
+    return Affine(tuple(int(c) if a == axis else 0 for a in range(rank)), int(c))
+
+
+def _diff(ma: MaskAnalysis, p: Node, depth: int) -> Fn | None:
+    """aten::diff(x, n=1, dim, prepend=pre) of an affine x: x[j] - x[j-1] for j >= 1 (the coefficient of
+    `dim`), x[0] - pre at j = 0 (a constant when the affine parts cancel)."""
+    x = ma.fn(p.inputs[0], depth)
+    rank = ma.rank(p.outputs[0])
+    if not isinstance(x, Affine) or rank is None or p.attrs.get("n", 1) != 1 or p.attrs.get("append") is not None:
+        return None
+    if len(p.inputs) != 2 or "dim" not in p.attrs:
+        return None
+    pre = ma.fn(p.inputs[1], depth)
+    axis = norm_axes(p.attrs["dim"], rank)[0]  # type: ignore[index]
+    if not isinstance(pre, Affine) or len(pre.coef) != rank:
+        return None
+    first = [c - d if a != axis else 0 for a, (c, d) in enumerate(zip(x.coef, pre.coef, strict=True))]
+    if any(first):
+        return None
+    step, start = x.coef[axis], x.const - pre.const
+    dtype = p.outputs[0].dtype
+    return steps(tuple(int(a == axis) for a in range(rank)), [0], [_cast(start, dtype), _cast(step, dtype)])
+
+
 def _filled(ma: MaskAnalysis, p: Node, depth: int) -> Fn | None:
     """A tensor of one value: ConstantOfShape, aten::full/ones/zeros (and their _like forms)."""
     rank = ma.rank(p.outputs[0])
@@ -511,7 +572,8 @@ RULES: dict[str, Rule] = {
     "aten::detach": _identity, "aten::lift_fresh_copy": _identity,
     "Cast": _cast_rule, "Expand": _expand, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze, "Transpose": _transpose,
     "Reshape": _reshape, "Slice": _slice, "Trilu": _trilu, "Where": _where, "aten::masked_fill": _masked_fill,
-    "Range": _range, "aten::arange": _range,
+    "Range": _range, "aten::arange": _range, "aten::index": _gather_index, "aten::cumsum": _cumsum,
+    "aten::diff": _diff,
     **{op: _filled for op in ("ConstantOfShape", "aten::full", "aten::ones", "aten::zeros", "aten::full_like",
                               "aten::ones_like", "aten::zeros_like", "aten::new_ones", "aten::new_zeros",
                               "aten::new_full", "aten::scalar_tensor")},
@@ -521,6 +583,7 @@ RULES: dict[str, Rule] = {
         "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Max": np.maximum,
         "Min": np.minimum, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor,
         "aten::bitwise_and": np.logical_and, "aten::bitwise_or": np.logical_or, "aten::logical_or": np.logical_or,
+        "aten::__and__": np.logical_and, "aten::__or__": np.logical_or,
     }.items()},
     **{op: _compare_rule(how) for op, how in COMPARE_OPS.items()},
 }

@@ -125,7 +125,13 @@ class Shapes:
             return tuple(out)
         if p.op == "Expand":
             target = self._target(p)
-            return None if target is None else _broadcast([src, tuple(sympy.sympify(d) for d in target)])
+            if target is None:
+                return None
+            dims = [sympy.sympify(d) for d in target]
+            lead = len(dims) - len(src)
+            # aten.expand's -1 keeps the input's size (FX); ONNX Expand has no -1
+            dims = [src[i - lead] if d == -1 and i >= lead else d for i, d in enumerate(dims)]
+            return _broadcast([src, tuple(dims)])
         if p.op in ELEMENTWISE:
             shapes = [self.shape(i) for i in (p.inputs[:1] if p.op == "Trilu" else p.inputs) if i is not None]
             return None if any(s is None for s in shapes) else _broadcast(shapes)  # type: ignore[arg-type]

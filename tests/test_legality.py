@@ -478,3 +478,33 @@ def test_mask_of_another_symbolic_dim_is_refused(tmp_path: Path) -> None:
     feeds = {"x": _x(2, 6).numpy(), "mask": np.zeros((2, 1), np.float32)}  # t = 1 broadcasts
     got, want = (next(iter(run_model(m, feeds).values())) for m in (export_ir(graph), onnx.load(file)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_hf_causal_mask_from_positions_is_proven(model_type: str) -> None:
+    """A transformers decoder called without attention_mask builds its mask from positions (iotas indexed
+    by aten::index, the packed-sequence check cumsum(diff(positions) != 1)): proven causal, causal=1,
+    fused == eager at lengths 1, 7 and 37."""
+    from tkopt.models.hf import tiny_causal_lm
+
+    class Body(nn.Module):
+        def __init__(self, lm: nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=ids, use_cache=False).logits
+
+    torch.manual_seed(0)
+    module = Body(tiny_causal_lm(model_type, num_hidden_layers=1)).eval()
+    ids = torch.randint(1, 100, (2, 9))
+    ep = torch.export.export(module, (ids,), dynamic_shapes=({0: Dim("b", max=8), 1: Dim("s", max=64)},))
+    graph = import_fx(ep)
+    run_passes(graph)
+    fused = [n for n in graph.nodes if n.op == "FusedAttention"]
+    assert fused and all(n.attrs["causal"] == 1 and n.inputs[3] is None for n in fused), [n.attrs for n in fused]
+    gm = to_torch_module(graph)
+    for s in (1, 7, 37):
+        x = torch.randint(1, 100, (2, s))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), module(x), rtol=1e-4, atol=1e-5)

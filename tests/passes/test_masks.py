@@ -219,6 +219,21 @@ def test_alibi_bias_is_not_a_mask() -> None:
     assert b.prove(b.op("Mul", d, b.const(np.float32(0.5)), shape=("s", "s"), dtype="float32"), "add") is None
 
 
+@pytest.mark.parametrize(("offset", "causal"), [(0, True), (-1, False)])
+def test_gather_by_iota_index(offset: int, causal: bool) -> None:
+    """aten::index(positions, rows, cols) as transformers' masks read positions: proven when every index is an
+    iota over an axis of the indexed size; an offset index (which would wrap around at -1) is not."""
+    b = _G()
+    x = b.input("x", ("b", "s", 16))
+    r = b.op("Add", b.iota(b.seq(x)), b.const(np.int64(offset)), shape=("s",), dtype="int64")
+    pos = b.iota(b.seq(x))
+    q = b.op("aten::index", pos, b.op("Unsqueeze", r, shape=("s", 1), dtype="int64", axes=[1]), shape=("s", 1),
+             dtype="int64")
+    k = b.op("aten::index", pos, b.op("Unsqueeze", r, shape=(1, "s"), dtype="int64", axes=[0]), shape=(1, "s"),
+             dtype="int64")
+    assert (b.prove(b.op("aten::le", k, q, shape=("s", "s")), "keep") is not None) == causal
+
+
 def test_mask_of_other_lengths_is_not_aligned() -> None:
     """A causal pattern over (t, t) added to scores over (s, s) with t another name: no proof."""
     b = _G()
