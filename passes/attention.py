@@ -388,6 +388,9 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
             raise _Refuse(f"attention scale {scale} is not positive")
     else:  # SDPA: None means the default 1/sqrt(d) (attribute 0)
         scale = m.scale
+    dim = q.value.shape[-1] if q.value.shape else None
+    if scale is not None and isinstance(dim, int) and math.isclose(scale, 1 / math.sqrt(dim), rel_tol=1e-12):
+        scale = None  # the default, computed exactly at run time (an ONNX float attribute has 32 bits)
     if m.k.gqa_refusal or m.v.gqa_refusal:
         result.refuse(anchor, m.k.gqa_refusal or m.v.gqa_refusal or "")
     for name, s in (("Q", q), ("K", k), ("V", v)):

@@ -508,3 +508,25 @@ def test_hf_causal_mask_from_positions_is_proven(model_type: str) -> None:
         x = torch.randint(1, 100, (2, s))
         with torch.no_grad():
             torch.testing.assert_close(gm(x), module(x), rtol=1e-4, atol=1e-5)
+
+
+def test_float64_default_scale_survives_onnx_attributes(tmp_path: Path) -> None:
+    """The TorchScript export computes SDPA's 1/sqrt(d) in the graph; as FusedAttention's float attribute
+    (32 bits in ONNX) it lost float64 precision (fuzz seed 120: 3.5e-9 relative). The default scale is
+    written as the default (0: computed at run time)."""
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            q, k, v = (t.view(b, s, 1, 2).transpose(1, 2) for t in (x, x.tanh(), x * 0.5))
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 2)
+
+    file = tmp_path / "m.onnx"
+    x = torch.randn(3, 5, 2, dtype=torch.float64)
+    torch.onnx.export(M(), (x,), str(file), dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "b", 1: "s"}})
+    graph = import_onnx(file)
+    run_passes(graph)
+    assert [n.attrs["scale"] for n in graph.nodes if n.op == "FusedAttention"] == [0.0]
+    feeds = {"x": x.numpy()}
+    got, want = (next(iter(run_model(m, feeds).values())) for m in (export_ir(graph), onnx.load(file)))
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
