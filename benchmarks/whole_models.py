@@ -247,7 +247,7 @@ def _report_summary(fn: Any) -> Any:
         return None
     to_dict = getattr(rep, "to_dict", None)
     d = to_dict() if callable(to_dict) else {"fusions": getattr(rep, "fusions", None)}
-    return {k: d[k] for k in ("fusions", "total_fused", "decisions", "declined") if k in d}
+    return {k: d[k] for k in ("candidates", "fusions", "total_fused", "whole_graph", "seconds") if k in d}
 
 
 def _cell(v: dict[str, Any]) -> str:

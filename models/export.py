@@ -1,7 +1,8 @@
 """Export the reference models the ways users do: torch.export, and both ONNX exporters.
 
 Every tensor input has a dynamic batch dim (0, named "batch") and, from rank 2 on, a dynamic
-sequence dim (1, named "seq"); outputs get the same names. Input names are the forward()'s
+sequence dim (1, named "seq"), unless the model's `dynamic_axes` says otherwise; outputs get the
+same names. Input names are the forward()'s
 parameter names, so ONNX inputs read "hidden_states", "attention_mask", ...
 """
 
@@ -11,6 +12,7 @@ import inspect
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
@@ -24,8 +26,8 @@ DYNAMO_OPSET = 18
 
 
 def input_names(model: nn.Module, inputs: tuple) -> list[str]:
-    """forward()'s positional parameter names, one per example input."""
-    params = [
+    """forward()'s positional parameter names (or the model's own `input_names`), one per example input."""
+    params = getattr(model, "input_names", None) or [
         p.name for p in inspect.signature(model.forward).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
@@ -41,20 +43,30 @@ def _output_names(model: nn.Module, inputs: tuple) -> list[str]:
     return ["output"] if n == 1 else [f"output_{i}" for i in range(n)]
 
 
-def dynamic_shapes(model: nn.Module, inputs: tuple) -> dict[str, dict[int, Dim]]:
-    """torch.export dynamic_shapes: dim 0 -> Dim("batch"), dim 1 -> Dim("seq") for every tensor input.
+def _axes(model: nn.Module, name: str, x: torch.Tensor) -> dict[int, str]:
+    """Which dims of input `name` are dynamic, and their names: dim 0 "batch", dim 1 "seq" (from rank 2),
+    unless the model says otherwise in `dynamic_axes` (an image's dim 1 is channels, not a sequence)."""
+    own = getattr(model, "dynamic_axes", {}).get(name)
+    if own is not None:
+        return own
+    return {0: "batch", 1: "seq"} if x.dim() >= 2 else {0: "batch"}
+
+
+def dynamic_shapes(model: nn.Module, inputs: tuple) -> tuple[Any, ...]:
+    """torch.export dynamic_shapes, one entry per input in order: dim 0 -> Dim("batch"), dim 1 ->
+    Dim("seq") (or the model's `dynamic_axes`; each new name gets its own Dim).
 
     A model with `max_seq` or `cfg.max_seq` (a mask buffer or position table sliced to the sequence
     length) gets seq < max_seq: torch.export specializes the full-length slice (guard seq != max_seq).
     """
     max_seq = getattr(model, "max_seq", None) or getattr(getattr(model, "cfg", None), "max_seq", None)
-    batch = Dim("batch", min=1, max=1024)
-    seq = Dim("seq", min=1, max=max_seq - 1 if max_seq else 4096)
-    shapes: dict[str, dict[int, Dim]] = {}
-    for name, x in zip(input_names(model, inputs), inputs, strict=True):
-        dims = {0: batch, 1: seq} if x.dim() >= 2 else {0: batch}
-        shapes[name] = dims
-    return shapes
+    dims = {"batch": Dim("batch", min=1, max=1024), "seq": Dim("seq", min=1, max=max_seq - 1 if max_seq else 4096)}
+    shapes = tuple(
+        {axis: dims.setdefault(dim, Dim(dim, min=1, max=4096)) for axis, dim in _axes(model, name, x).items()}
+        for name, x in zip(input_names(model, inputs), inputs, strict=True)
+    )
+    params = inspect.signature(model.forward).parameters.values()
+    return (shapes,) if any(p.kind == p.VAR_POSITIONAL for p in params) else shapes  # forward(*tensors)
 
 
 def export_fx(model: nn.Module, inputs: tuple, dynamic: bool = True) -> torch.export.ExportedProgram:
@@ -78,9 +90,11 @@ def _atomic_save(proto: onnx.ModelProto, path: Path, external_data: bool) -> Non
         os.replace(tmp, path)
 
 
-def _torchscript_axes(names: list[str], inputs: tuple, out_names: list[str]) -> dict[str, dict[int, str]]:
-    """TorchScript exporter dynamic_axes: the same batch/seq naming as `dynamic_shapes`."""
-    axes = {n: ({0: "batch", 1: "seq"} if x.dim() >= 2 else {0: "batch"}) for n, x in zip(names, inputs, strict=True)}
+def _torchscript_axes(
+    model: nn.Module, names: list[str], inputs: tuple, out_names: list[str]
+) -> dict[str, dict[int, str]]:
+    """TorchScript exporter dynamic_axes: the same naming as `dynamic_shapes`."""
+    axes = {n: _axes(model, n, x) for n, x in zip(names, inputs, strict=True)}
     return axes | {n: {0: "batch", 1: "seq"} for n in out_names}
 
 
@@ -112,7 +126,7 @@ def export_onnx(
             )
             proto = prog.model_proto
         else:
-            axes = _torchscript_axes(names, inputs, out_names) if dynamic_batch_seq else None
+            axes = _torchscript_axes(model, names, inputs, out_names) if dynamic_batch_seq else None
             torch.onnx.export(
                 model, inputs, str(tmp), dynamo=False, opset_version=opset or TORCHSCRIPT_OPSET,
                 input_names=names, output_names=out_names, dynamic_axes=axes,

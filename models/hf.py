@@ -2,9 +2,9 @@
 
 The real modelling code is what users feed the optimizer, so the passes are checked against it.
 `hf_bert`, `hf_gpt2` and `hf_llama` return (model in eval mode, example inputs), the model wrapped
-so that forward takes (input_ids, attention_mask) tensors and returns the last hidden state tensor
-only: no KV cache (use_cache=False) and no output dataclass, which keeps torch.export and both ONNX
-exporters on the plain tensor path. `tiny_config` shrinks any transformers family's default config
+(`TensorsIn`) so that forward takes (input_ids, attention_mask) tensors and returns the last hidden
+state tensor only: no KV cache (use_cache=False) and no output dataclass, which keeps torch.export
+and both ONNX exporters on the plain tensor path. `tiny_config` shrinks any transformers family's default config
 (everything else stays at its default, caches and output dataclasses included), for models used as
 users use them. transformers is a test extra, imported lazily.
 """
@@ -30,20 +30,6 @@ def _transformers() -> Any:
             "tkopt.models.hf needs the 'transformers' package (pip install 'tkopt[test]')"
         ) from e
     return transformers
-
-
-class HFWrapper(nn.Module):
-    """forward(input_ids, attention_mask) -> last_hidden_state, cache off, tuple outputs."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        # Position embeddings cap the sequence length; tkopt.models.export reads this for Dim("seq").
-        self.max_seq = model.config.max_position_embeddings
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=False)
-        return out[0]
 
 
 def example_inputs(batch: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,16 +58,35 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     return cls(**{**{k: v for k, v in TINY.items() if k in known}, **overrides})
 
 
-def tiny_causal_lm(model_type: str, **overrides: Any) -> nn.Module:
-    """A 2-layer `model_type` causal LM from `tiny_config`, in eval mode, seeded."""
+def tiny_model(model_type: str, auto_class: str = "AutoModel", **overrides: Any) -> nn.Module:
+    """A 2-layer `model_type` model from `tiny_config` through transformers' `auto_class`, eval mode, seeded."""
     tf = _transformers()
     cfg = tiny_config(model_type, **overrides)
     torch.manual_seed(SEED)
-    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+    return getattr(tf, auto_class).from_config(cfg).eval()
+
+
+class TensorsIn(nn.Module):
+    """A transformers model called with named tensors given positionally, returning its first output:
+    the form both ONNX exporters take. `input_names` and `dynamic_axes` tell tkopt.models.export how
+    to name the inputs and which of their dims are dynamic; `kwargs` go to every call."""
+
+    def __init__(self, model: nn.Module, input_names: list[str], dynamic_axes: dict | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.input_names = list(input_names)
+        self.dynamic_axes = dynamic_axes or {}
+        self.kwargs = kwargs
+        # Position embeddings cap the sequence length; tkopt.models.export reads this for Dim("seq").
+        self.max_seq = getattr(model.config, "max_position_embeddings", None)
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.input_names, tensors, strict=True)), return_dict=False, **self.kwargs)[0]
 
 
 def _finish(model: nn.Module) -> tuple[nn.Module, tuple]:
-    return HFWrapper(model).eval(), example_inputs()
+    return TensorsIn(model, ["input_ids", "attention_mask"], use_cache=False).eval(), example_inputs()
 
 
 def _check_impl(attn_implementation: str) -> None:

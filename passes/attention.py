@@ -198,15 +198,20 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node], int] | None:
     r1 = view.producer(r1_out)
     if r1 is None or r1.op != "Reshape" or not view.only_user(r1_out, nodes[-1]):
         return _split_3d_source(view, r1_out, r2, nodes)
-    nodes.append(r1)
     x, group = r1.inputs[0], 1
     xs, s1, s2 = view.shapes.shape(x), view.shapes.shape(r1_out), view.shapes.shape(r2.outputs[0])
-    if xs is not None and len(xs) == 5:
-        found = _unsqueeze_expand(view, x, r1, nodes)  # type: ignore[arg-type]
-        if found is None or found[1] != 2:
-            return None
-        x, _, group, xs = found[0], found[1], found[2], found[3]
-        xs = (xs[0], xs[1] * group, xs[3], xs[4])
+    if xs is not None and len(xs) == 5:  # the GQA repeat, flattened with the batch
+        repeat = [r1]
+        found = _unsqueeze_expand(view, x, r1, repeat)  # type: ignore[arg-type]
+        if found is None or found[1] != 2:  # not repeat_interleave order: K as the exporter folded it
+            return _split_3d_source(view, r1_out, r2, nodes)
+        x, group, e = found[0], found[2], found[3]
+        xs = (e[0], e[1] * group, e[3], e[4])
+        nodes += repeat
+    elif xs is not None and len(xs) != 4:
+        return _split_3d_source(view, r1_out, r2, nodes)
+    else:
+        nodes.append(r1)
     if xs is None or s1 is None or s2 is None or (len(xs), len(s1), len(s2)) != (4, 3, 4):
         return None
     b, h, sq, d = xs
@@ -219,8 +224,9 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node], int] | None:
 
 def _split_3d_source(view: _View, x3: Value, r2: Node, nodes: list[Node]) -> tuple[Value, list[Node], int] | None:
     """As `_swap_via_3d` when K never exists as (B, H, S, D): the dynamo exporter's static-shape export
-    folds Reshape(Reshape(k, (B,H,S,D)), (B*H,S,D)) to k (B*H, S, D). K is then Reshape(k, (B,H,S,D)), a
-    new node added only if the fusion is made (static ONNX shapes: the torch backend adds no nodes)."""
+    folds Reshape(Reshape(k, (B,H,S,D)), (B*H,S,D)) to k (B*H, S, D) (with GQA, the head repeat's
+    (B, Hkv, group, S, D) straight to (B*H, S, D)). K is then Reshape(k, (B,H,S,D)), a new node added
+    only if the fusion is made (static ONNX shapes: the torch backend adds no nodes)."""
     xs, s2 = view.shapes.shape(x3), view.shapes.shape(r2.outputs[0])
     if view.graph.meta.get("onnx_model") is None or xs is None or s2 is None or (len(xs), len(s2)) != (3, 4):
         return None

@@ -30,12 +30,11 @@ def _param_problem(what: str, p: Value | None, x: Value) -> str | None:
 
 
 def _ones(ix: GraphIndex, p: Value | None, norm: Node) -> bool:
-    """Whether weight `p` is all ones of a shape that leaves the norm's output shape alone: the dynamo
-    exporter's scale for a weightless RMSNorm at opset 23 (ONNX requires one) is ConstantOfShape(Shape(x), 1)."""
+    """Whether weight `p` is ConstantOfShape(shape, 1) leaving the norm's output shape alone: the dynamo
+    exporter's scale for a weightless RMSNorm at opset 23 (ONNX requires one). A parameter that happens
+    to hold ones is a weight (it may be trained or loaded later), not its absence."""
     if p is None or norm.inputs[0] is None or norm.outputs[0].shape != norm.inputs[0].shape:
         return False
-    if p.const is not None:
-        return bool(np.all(p.const == 1))
     node = ix.producer(p, "ConstantOfShape")
     return node is not None and bool(np.all(np.asarray(node.attr("value", 0.0)) == 1))
 

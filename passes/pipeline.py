@@ -46,8 +46,9 @@ def pass_names() -> list[str]:
 
 
 @dataclass
-class Report:
-    """What a run did: nodes before/after, fusions per kind, canonicalization edits, refusals."""
+class PassReport:
+    """What the passes did: nodes before/after, fusions per pass, canonicalization edits, refusals, and
+    which pass made each fused node (the candidates; the pipeline then settles which of them run fused)."""
 
     nodes_before: int
     nodes_after: int = 0
@@ -55,15 +56,14 @@ class Report:
     edits: dict[str, int] = field(default_factory=dict)
     refusals: list[Refusal] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
-    kernel_fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (node, why its kernel failed)
-    declined: list[tuple[str, str]] = field(default_factory=list)  # (node, why the backend left it unfused)
+    fused_by: dict[str, str] = field(default_factory=dict)  # fused node name -> the pass that made it
 
     @property
     def total_fused(self) -> int:
         return sum(self.fusions.values())
 
 
-def run_passes(graph: Graph, disable: Iterable[str] = ()) -> Report:
+def run_passes(graph: Graph, disable: Iterable[str] = ()) -> PassReport:
     """Optimize `graph` in place. `disable` names passes to skip; an unknown name is an error."""
     passes = all_passes()
     disabled = set(disable)
@@ -72,7 +72,7 @@ def run_passes(graph: Graph, disable: Iterable[str] = ()) -> Report:
         raise ValueError(f"unknown pass names {sorted(unknown)}; known: {[n for n, _, _ in passes]}")
     if disabled & _REQUIRED:
         raise ValueError(f"passes {sorted(disabled & _REQUIRED)} always run and cannot be disabled")
-    report = Report(nodes_before=len(graph.nodes), disabled=sorted(disabled))
+    report = PassReport(nodes_before=len(graph.nodes), disabled=sorted(disabled))
     for name, fn, fusion in passes:
         if name in disabled:
             continue
@@ -80,6 +80,9 @@ def run_passes(graph: Graph, disable: Iterable[str] = ()) -> Report:
         fn(graph, result)
         if fusion:
             report.fusions[name] = report.fusions.get(name, 0) + result.fused
+            for n in graph.nodes:
+                if n.is_fused:
+                    report.fused_by.setdefault(n.name, name)
         elif result.changed:
             report.edits[name] = report.edits.get(name, 0) + result.changed
         report.refusals.extend(result.refusals)

@@ -27,7 +27,7 @@ def onnx_models(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def bert_cpu(onnx_models) -> BenchResult:
     """The BERT-style layer benched on the CPU op library (building it is the slow part: once per module)."""
-    return bench_onnx(onnx_models["bert_layer"], target="cpu", runs=5, warmup=1)
+    return bench_onnx(onnx_models["bert_layer"], target="cpu", runs=5, warmup=1, select="all")
 
 
 def _finite(t) -> bool:
@@ -65,7 +65,7 @@ def test_json_holds_everything(bert_cpu, tmp_path):
     s = d["summary"]
     assert s["ok"] and s["fused_nodes"] == 9 and s["speedup"] > 0 and s["node_max_rel_error"] < 1e-5
     assert d["timings"]["unfused"]["median_ms"] > 0 and len(d["nodes"]) == 9
-    assert d["optimization"]["target"] == "cpu" and d["inputs"]
+    assert d["optimization"]["target"] == "ort-cpu" and d["inputs"]
     assert [p.name for p in path.parent.iterdir()] == ["bench.json"]  # no temporary file left
 
 
@@ -96,7 +96,7 @@ def test_cli_bad_runs_is_refused(onnx_models, capsys):
 
 def test_bench_module_on_cpu():
     model, inputs = REFERENCE_MODELS["mlp"]()
-    r = bench_module(model, inputs, runs=3, warmup=1, name="mlp")
+    r = bench_module(model, inputs, runs=3, warmup=1, name="mlp", select="all")
     assert r.kind == "torch" and r.device == "cpu" and r.claims_speedup
     assert set(r.timings) == {"eager", "tkopt"}  # no inductor on CPU by default
     assert all(_finite(t) for t in r.timings.values())

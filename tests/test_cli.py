@@ -77,10 +77,13 @@ def test_console_script(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The demo exports the bundled example (dynamo exporter), optimizes it and checks accuracy."""
+    """The demo exports the bundled example (dynamo exporter), optimizes it for the CPU op library with
+    measured selection, and checks accuracy: every candidate gets a measured decision."""
     assert main(["demo", "--workdir", str(tmp_path), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["total_fused"] > 0 and rep["accuracy"]["ok"]
+    assert rep["target"] == "ort-cpu" and rep["select"] == "measured" and rep["accuracy"]["ok"]
+    assert sum(rep["candidates"].values()) == len(rep["nodes"]) > 0
+    assert all(n["decision"] in ("kept", "slower") and n["fused_ms"] > 0 for n in rep["nodes"])
     assert (tmp_path / "example.tkopt.onnx").exists()
 
 
@@ -96,3 +99,13 @@ def test_no_fusable_pattern_is_said(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert f"no fusable pattern found in {path}" in " ".join(capsys.readouterr().out.split())
     out = onnx.load(str(tmp_path / "relu.tkopt.onnx"))
     assert [n.op_type for n in out.graph.node] == ["Relu"]
+
+
+def test_select_measured_without_a_target_is_one_line(model: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """Without --target the fused ops run their references: there is nothing to measure, and it says so."""
+    assert main(["optimize", str(model), "-o", str(tmp_path / "o.onnx"), "--select", "measured"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tkopt: error: select='measured' needs a device to measure on (onnx)")
+    assert err.count("\n") == 1
+    assert not (tmp_path / "o.onnx").exists()

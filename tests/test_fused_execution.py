@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tkopt
+from tkopt.backends.dynamo import make_backend
 from tkopt.models import blocks
 from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 
@@ -23,9 +24,9 @@ def test_compile_runs_cpu_kernels_and_matches_eager(name: str, monkeypatch) -> N
     model, inputs = REFERENCE_MODELS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no kernel may fall back here
-        fast = tkopt.compile(model, inputs)
+        fast = tkopt.compile(model, inputs, select="all")
     report = fast.tkopt_report
-    assert report.kernel_fallbacks == []
+    assert report.decided("kernel_failed") == []
     assert {k: report.fusions.get(k, 0) for k in EXPECTED_FUSIONS[name]} == EXPECTED_FUSIONS[name]
     ops = {str(n.target) for n in fast.graph_module.graph.nodes if n.op == "call_function"}
     assert any(op.startswith("tkopt.") for op in ops)
@@ -43,7 +44,7 @@ def test_compile_with_inductor_for_the_rest(monkeypatch) -> None:
     """inductor=True: inductor compiles what tkopt left unfused and calls the tkopt:: ops as extern kernels."""
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
-    fast = tkopt.compile(model, inputs, inductor=True)
+    fast = tkopt.compile(model, inputs, inductor=True, select="all")
     assert fast.specializations[-1].run is not fast.graph_module  # calls go through torch.compile
     assert fast.tkopt_report.total_fused > 0
     with torch.no_grad():
@@ -71,16 +72,19 @@ def test_inductor_failure_falls_back_to_the_fused_graph() -> None:
 
 def test_kernel_failure_falls_back_to_the_unfused_subgraph(monkeypatch) -> None:
     """The CPU kernels take float32/float64: a float16 module keeps every node unfused, with a warning
-    naming each, and still runs (matching eager exactly, since it is eager's own graph)."""
+    naming each, and still runs (matching eager exactly, since it is eager's own graph). The report counts
+    none of them as fused (it once counted what the passes fused, whatever ran)."""
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     model, inputs = REFERENCE_MODELS["mlp"]()
     model = model.half()
     inputs = tuple(t.half() for t in inputs)
     with pytest.warns(UserWarning, match=r"FusedGemm_\d+ \(FusedGemm\) runs unfused on cpu: its kernel failed"):
-        fast = tkopt.compile(model, inputs)
-    fallbacks = fast.tkopt_report.kernel_fallbacks
-    assert len(fallbacks) == EXPECTED_FUSIONS["mlp"]["gemm"]
-    assert all("float16" in reason for _, reason in fallbacks)
+        fast = tkopt.compile(model, inputs, select="all")
+    report = fast.tkopt_report
+    assert report.total_fused == 0 and not any(report.fusions.values()) and "fused: 0 of 3 candidates" in str(report)
+    fallbacks = report.decided("kernel_failed")
+    assert len(fallbacks) == report.passes.fusions["gemm"] == EXPECTED_FUSIONS["mlp"]["gemm"]
+    assert all("float16" in d.reason for d in fallbacks)
     ops = {str(n.target) for n in fast.graph_module.graph.nodes if n.op == "call_function"}
     assert not any(op.startswith("tkopt.") for op in ops)
     with torch.no_grad():
@@ -90,7 +94,7 @@ def test_kernel_failure_falls_back_to_the_unfused_subgraph(monkeypatch) -> None:
 def test_torch_compile_backend_runs_cpu_kernels(monkeypatch) -> None:
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
-    fast = torch.compile(model, backend="tkopt")
+    fast = torch.compile(model, backend=make_backend(select="all"))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a kernel falling back (e.g. probed under fake mode) fails
         assert _rel(fast(*inputs), model(*inputs)) < 1e-5
@@ -124,8 +128,8 @@ def test_compile_on_gpu_matches_eager(name: str, dtype: torch.dtype, arch: str, 
         want = model(*inputs)
     model = model.to(dtype)
     cast = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
-    fast = tkopt.compile(model, cast)
-    assert fast.tkopt_report.kernel_fallbacks == []
+    fast = tkopt.compile(model, cast, select="all")
+    assert fast.tkopt_report.decided("kernel_failed") == []
     assert {k: fast.tkopt_report.fusions.get(k, 0) for k in EXPECTED_FUSIONS[name]} == EXPECTED_FUSIONS[name]
     with torch.no_grad():
         assert _rel(fast(*cast), want) < 1e-2
@@ -140,7 +144,7 @@ def test_cuda_graph_replay_matches_uncaptured_calls(monkeypatch) -> None:
     torch.manual_seed(0)
     model = GPU_MODELS["gpt2_block"]().eval().cuda().half()
     first = tuple(t.cuda().half() if t.is_floating_point() else t.cuda() for t in model.example_inputs(batch=2, seq=77))
-    fast = tkopt.compile(model, first)
+    fast = tkopt.compile(model, first, select="all")
     calls = [first, tuple(torch.randn_like(t) for t in first),
              tuple(t.cuda().half() for t in model.example_inputs(batch=3, seq=50))]
     with torch.no_grad():
@@ -153,7 +157,8 @@ def test_cuda_graph_replay_matches_uncaptured_calls(monkeypatch) -> None:
             assert torch.equal(g, p)
             assert _rel(g, model(*x)) < 1e-2
         assert not torch.equal(graphed[0], graphed[1])
-    hybrid = tkopt.compile(model, first, inductor=True)  # inductor for the rest, inside the same CUDA graph
+    # inductor for the rest, inside the same CUDA graph
+    hybrid = tkopt.compile(model, first, inductor=True, select="all")
     with torch.no_grad():
         for x in calls:
             assert _rel(hybrid(*x), model(*x)) < 1e-2
@@ -168,14 +173,12 @@ def test_cuda_graph_replay_matches_uncaptured_calls(monkeypatch) -> None:
 def test_torch_compile_backend_replays_cuda_graphs(monkeypatch) -> None:
     """torch.compile(backend=tkopt) on the GPU: the optimized forward replays a CUDA graph (parameters are
     captured in place, activations copied in), fresh inputs give fresh answers, held results survive."""
-    from tkopt.backends.dynamo import make_backend
-
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     torch.manual_seed(0)
     model = GPU_MODELS["gpt2_block"]().eval().cuda().half()
     x1 = model.example_inputs(batch=2, seq=77)[0].cuda().half()
     x2 = torch.randn_like(x1)
-    backend = make_backend()
+    backend = make_backend(select="all")
     fast = torch.compile(model, backend=backend)
     with torch.no_grad():
         y1, y2 = fast(x1), fast(x2)

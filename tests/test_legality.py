@@ -429,7 +429,7 @@ def test_integer_matmul_relu_stays_unfused() -> None:
                   [onnx.helper.make_tensor_value_info("z", t.INT32, ["b", 4])], [w])
     graph, report, out = _optimized(model)
     assert not any(n.is_fused for n in graph.nodes)
-    assert any("FusedGemm takes one float dtype" in r.reason for r in report.refusals), report.refusals
+    assert any("FusedGemm takes one dtype for its float tensors" in r.reason for r in report.refusals), report.refusals
     x = {"x": np.arange(24, dtype=np.int32).reshape(3, 8) - 12}
     np.testing.assert_array_equal(run_model(out, x)["z"], run_model(model, x)["z"])
 

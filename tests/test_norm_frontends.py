@@ -64,7 +64,7 @@ def _run(kind: str, frontend: str, tmp_path) -> tuple[dict[str, int], list[str]]
             x = (torch.randn(b, s, D), torch.randn(b, s, D))
             torch.testing.assert_close(fast(*x), model(*x), rtol=1e-5, atol=1e-6)
         rep = fast.tkopt_report
-        return rep.fusions, [r.reason for r in rep.refusals]
+        return rep.fusions, [r.reason for r in rep.passes.refusals]
     if frontend.startswith("backend"):
         torch._dynamo.reset()
         backend = make_backend()
@@ -74,7 +74,7 @@ def _run(kind: str, frontend: str, tmp_path) -> tuple[dict[str, int], list[str]]
         with torch.set_grad_enabled(training):
             torch.testing.assert_close(fast(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
         rep = backend.graph_modules[-1].tkopt_report
-        return rep.fusions, [r.reason for r in rep.refusals]
+        return rep.fusions, [r.reason for r in rep.passes.refusals]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opset = 23 if frontend.endswith("opset23") else None

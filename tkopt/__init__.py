@@ -17,6 +17,8 @@ _LAZY = {
     "ModelLoadError": "tkopt.frontends.onnx",
     "export_onnx": "tkopt.backends.onnx_model",
     "run_model": "tkopt.onnx_runtime_ref",
+    "last_report": "tkopt.report",
+    "Report": "tkopt.report",
 }
 
 __all__ = sorted(_LAZY)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,46 +23,10 @@ import onnx
 from rich.console import Console
 from rich.table import Table
 
-from tkopt.report import OutputError
-
-ONNX_CUDA_PROVIDERS = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-
-
-# ---- measurements -------------------------------------------------------------------------------
-@dataclass
-class Timing:
-    """Latency of one variant over `runs` timed calls after `warmup` untimed ones (milliseconds)."""
-
-    median_ms: float
-    p10_ms: float
-    p90_ms: float
-    runs: int
-    warmup: int
-    method: str  # "perf_counter" or "cuda_events"
-
-    @classmethod
-    def of(cls, samples_ms: list[float], warmup: int, method: str) -> Timing:
-        q = np.percentile(samples_ms, [10, 90]) if samples_ms else [math.nan, math.nan]
-        med = statistics.median(samples_ms) if samples_ms else math.nan
-        return cls(float(med), float(q[0]), float(q[1]), len(samples_ms), warmup, method)
-
-
-def time_calls(fn: Callable[[], Any], runs: int, warmup: int) -> Timing:
-    """Wall-clock time of `fn()` (CPU work, or ORT runs, which return host arrays: synchronous)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return Timing.of(samples, warmup, "perf_counter")
-
-
-def _speedup(base: Timing | None, other: Timing | None) -> float | None:
-    if base is None or other is None or not other.median_ms > 0:
-        return None
-    return base.median_ms / other.median_ms
+from tkopt.accuracy import OutputError, output_error
+from tkopt.ir import Graph, Node
+from tkopt.measure import Timing, speedup, time_calls
+from tkopt.report import json_safe
 
 
 @dataclass
@@ -89,7 +51,7 @@ class NodeBench:
 
     @property
     def speedup(self) -> float | None:
-        return _speedup(self.unfused, self.fused)
+        return speedup(self.unfused, self.fused)
 
 
 @dataclass
@@ -122,7 +84,7 @@ class BenchResult:
         if not self.claims_speedup:
             return {}
         base = self.timings.get(self.baseline)
-        out = {k: _speedup(base, t) for k, t in self.timings.items() if k != self.baseline}
+        out = {k: speedup(base, t) for k, t in self.timings.items() if k != self.baseline}
         return {k: v for k, v in out.items() if v is not None}
 
     def summary(self) -> dict[str, Any]:
@@ -145,7 +107,7 @@ class BenchResult:
         def outs(errors: list[OutputError]) -> list[dict[str, Any]]:
             return [{**asdict(o), "ok": o.ok} for o in errors]
 
-        return _finite({
+        return json_safe({
             "summary": self.summary(),
             "kind": self.kind,
             "source": self.source,
@@ -175,31 +137,14 @@ class BenchResult:
 
     def write_json(self, path: str | Path) -> Path:
         """Write to_json() atomically (a temporary file beside `path`, then os.replace)."""
+        from tkopt.cache import write_atomic
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, self.to_json().encode())
         return path
 
     def render(self, console: Console | None = None) -> None:
         render(self, console or Console())
-
-
-def _finite(x: Any) -> Any:
-    """JSON has no NaN/inf: write them as strings ("nan", "inf") so the file stays standard JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -259,42 +204,6 @@ def render(r: BenchResult, console: Console) -> None:
 
 
 # ---- ONNX -----------------------------------------------------------------------------------------
-def _providers(target: str | None) -> list[str]:
-    """ORT providers for a target; a CUDA target needs onnxruntime-gpu (its CUDA EP)."""
-    if target in (None, "cpu"):
-        return ["CPUExecutionProvider"]
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise RuntimeError(f"--target {target}: this onnxruntime has no CUDAExecutionProvider (install "
-                           "onnxruntime-gpu) to run the CUDA op library (`tkopt optimize --target` builds it "
-                           "without running it)")
-    return ONNX_CUDA_PROVIDERS
-
-
-def _session(model: onnx.ModelProto | Path, providers: list[str], library: Path | None, tmp: Path) -> Any:
-    """An ORT session; models of 2 GB or more go through a file (with external data) in `tmp`."""
-    import onnxruntime as ort
-
-    from tkopt.backends.onnx_model import TWO_GB, save
-
-    so = ort.SessionOptions()
-    if library is not None:
-        so.register_custom_ops_library(str(library))
-    if isinstance(model, onnx.ModelProto):
-        if model.ByteSize() < TWO_GB:
-            return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
-        model = save(model, Path(tempfile.mkdtemp(dir=tmp)) / "model.onnx", external_data=True)
-    return ort.InferenceSession(str(model), so, providers=providers)
-
-
-def _out_errors(names: Iterable[str], got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]
-                ) -> list[OutputError]:
-    from tkopt.api import _errors
-
-    return [_errors(n, np.asarray(got[n]), np.asarray(want[n])) for n in names]
-
-
 def bench_onnx(
     path: str | Path,
     target: str | None = None,
@@ -304,56 +213,51 @@ def bench_onnx(
     seed: int = 0,
     nodes: bool = True,
     inputs: Mapping[str, np.ndarray] | None = None,
+    select: str | None = None,
 ) -> BenchResult:
-    """Optimize the ONNX model at `path` and compare fused with unfused (original, plain ORT).
+    """Optimize the ONNX model at `path` (tkopt.pipeline, as optimize_onnx does) and compare fused with
+    unfused (original, plain ORT).
 
     With `target` the fused model runs in ORT on the native op library built for it, and both
     sides are timed (time.perf_counter around session.run). Without it the fused model runs
     "hybrid" (tkopt.onnx_runtime_ref: fused ops through torch references): accuracy only.
-    The pipeline is optimize_onnx's (import, passes, build_library, export, check) done here so
-    the fused IR graph stays at hand for the per-node rows (tkopt.bench_nodes.onnx_node_rows).
+    Per fused node: a one-node model against a model of the nodes it replaced, on the node's inputs as
+    the original model computes them on the same feeds.
     """
-    from tkopt.backends.onnx_model import check, export_onnx, save
-    from tkopt.bench_nodes import onnx_node_rows
+    from tkopt.backends.onnx_model import check, save
     from tkopt.frontends.onnx import import_onnx
     from tkopt.onnx_runtime_ref import has_fused_nodes, run_hybrid
-    from tkopt.ort.library import build_library, check_target
-    from tkopt.passes.finalize import seal
-    from tkopt.passes.pipeline import run_passes
-    from tkopt.report import Report
+    from tkopt.ort import run
+    from tkopt.ort.library import check_target
+    from tkopt.pipeline import optimize
+    from tkopt.targets.ort_target import OrtTarget
 
     if target is not None:
         check_target(target)
     if runs < 1 or warmup < 0:
         raise ValueError(f"--runs must be >= 1 and --warmup >= 0 (got {runs}, {warmup})")
-    providers = _providers(target)
+    providers = run.providers(target)
     graph = import_onnx(path)
     source = graph.meta["source"]
     original: onnx.ModelProto = graph.meta["onnx_model"]
-    ops_before = graph.count_ops()
-    passes = run_passes(graph, disable)
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tkopt-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        lib = build_library(graph, target, tmp / "ops.so") if target is not None else None
-        if lib is None:
-            seal(graph)
-        fused_model = export_onnx(graph)
-        check(fused_model)
-        rep = Report(source=source, passes=passes, ops_before=ops_before, ops_after=graph.count_ops())
-        if lib is not None:
-            rep.target, rep.unfused = lib.target, lib.unfused
-            notes += [f"{n} left unfused for {target}: {why}" for n, why in lib.unfused]
-        library = lib.path if lib is not None and lib.nodes else None
-        feeds = dict(inputs) if inputs is not None else _make_inputs(original, seed)
+        result = optimize(graph, OrtTarget(target, original, tmp), select=select, disable=disable)
+        rep, fused_model, library = result.report, result.artifact.model, result.artifact.library
+        if result.winner == "tkopt":
+            check(fused_model)
+        notes += [f"{d.node} left unfused: {d.decision.replace('_', ' ')}: {d.reason}" for d in rep.nodes
+                  if d.decision != "kept"]
+        feeds = dict(inputs) if inputs is not None else run.make_inputs(original, seed)
         names = [o.name for o in original.graph.output]
-        unfused_sess = _session(Path(path) if isinstance(path, str | Path) else original, providers, None, tmp)
+        unfused_sess = run.session(Path(path) if isinstance(path, str | Path) else original, None, providers)
         want = dict(zip(names, unfused_sess.run(names, feeds), strict=True))
         timings = {"unfused": time_calls(lambda: unfused_sess.run(names, feeds), runs, warmup)}
         if library is not None or not has_fused_nodes(fused_model):
-            fused_sess = _session(save(fused_model, tmp / "fused.onnx",
-                                       external_data=True if graph.meta["external_data"] else None),
-                                  providers, library, tmp)
+            external = True if graph.meta["external_data"] else None
+            fused_path = save(fused_model, tmp / "fused.onnx", external_data=external)
+            fused_sess = run.session(fused_path, library, providers)
             got = dict(zip(names, fused_sess.run(names, feeds), strict=True))
             timings["fused"] = time_calls(lambda: fused_sess.run(names, feeds), runs, warmup)
             runner, claims = (f"ort + tkopt op library ({target})" if library else "ort (nothing fused)"), True
@@ -362,18 +266,57 @@ def bench_onnx(
             runner, claims = "hybrid (standard ops in ORT, fused ops via torch references)", False
             notes.append("no --target: the fused model ran 'hybrid' (fused ops through tkopt's torch references, "
                          "not kernels); accuracy only, no speed claim")
-        node_rows = (onnx_node_rows(graph, original, feeds, providers, library, runs, warmup, tmp)
+        fused_nodes = [n for n in result.graph.nodes if n.is_fused] if result.winner == "tkopt" else []
+        node_rows = (onnx_node_rows(result.graph, fused_nodes, original, feeds, providers, library, runs, warmup)
                      if nodes else [])
     return BenchResult(
         kind="onnx", source=source, device=providers[0].removesuffix("ExecutionProvider").lower(),
-        fused_runner=runner, outputs=_out_errors(names, got, want), timings=timings, baseline="unfused",
-        fused="fused", claims_speedup=claims, target=target, nodes=node_rows,
-        inputs={k: list(v.shape) for k, v in feeds.items()}, fusions=dict(passes.fusions), notes=notes,
+        fused_runner=runner, outputs=[output_error(n, got[n], want[n]) for n in names], timings=timings,
+        baseline="unfused", fused="fused", claims_speedup=claims, target=target, nodes=node_rows,
+        inputs={k: list(v.shape) for k, v in feeds.items()}, fusions=rep.fusions, notes=notes,
         optimization=rep.to_dict(),
     )
 
 
-def _make_inputs(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
-    from tkopt.api import make_inputs
+def onnx_node_rows(graph: Graph, fused: list[Node], original: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
+                   providers: list[str], library: Path | None, runs: int, warmup: int) -> list[NodeBench]:
+    """A NodeBench per fused node: a one-node model (on `library`; without one, the node's torch
+    reference, errors only) against a model of its replaced nodes, on its inputs as computed by the
+    original model from `feeds`."""
+    from tkopt.ort import run
+    from tkopt.targets.ort_target import nodes_model, outer_inputs
 
-    return make_inputs(model, seed)
+    needed = [v.name for n in fused for v in (*outer_inputs([n]), *outer_inputs(n.replaced))]
+    values = run.capture(original, needed, feeds, providers) if fused else {}
+    rows = []
+    for n in fused:
+        row = NodeBench(n.name, n.op, len(n.replaced))
+        rows.append(row)
+        missing = sorted({v.name for v in (*outer_inputs([n]), *outer_inputs(n.replaced)) if v.name not in values})
+        if missing:
+            row.note = f"inputs {missing} are not values of the original model; not measured"
+            continue
+        out_names = [v.name for v in n.outputs]
+        ufeeds = {v.name: values[v.name] for v in outer_inputs(n.replaced)}
+        usess = run.session(nodes_model(graph, n.replaced, n.outputs, f"{n.name}_unfused"), None, providers)
+        want = dict(zip(out_names, usess.run(out_names, ufeeds), strict=True))
+        row.unfused = time_calls(lambda s=usess, o=out_names, f=ufeeds: s.run(o, f), runs, warmup)
+        ffeeds = {v.name: values[v.name] for v in outer_inputs([n])}
+        if library is not None:
+            fsess = run.session(nodes_model(graph, [n], n.outputs, n.name), library, providers)
+            got = dict(zip(out_names, fsess.run(out_names, ffeeds), strict=True))
+            row.fused = time_calls(lambda s=fsess, o=out_names, f=ffeeds: s.run(o, f), runs, warmup)
+        else:
+            got = _reference(n, values)
+            row.note = "reference"
+        row.outputs = [output_error(name, got[name], want[name]) for name in out_names]
+    return rows
+
+
+def _reference(n: Node, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    from tkopt.fused_ops import run_reference
+    from tkopt.onnx_runtime_ref import to_numpy, to_torch
+
+    ins = [None if v is None else to_torch(v.const if v.const is not None else values[v.name]) for v in n.inputs]
+    outs = run_reference(n.op, ins, n.attrs)
+    return {v.name: to_numpy(t) for v, t in zip(n.outputs, outs, strict=False)}

@@ -2,9 +2,10 @@
 
 On CUDA every timed call is bracketed by CUDA events on the current stream and the device is
 synchronized before reading them (launch-only timings would flatter asynchronous kernels); on
-CPU time.perf_counter. Inductor runs only on CUDA by default (its CPU compile is slow and not the
-comparison that matters). Per fused node: the custom op vs the exact fx nodes it replaced, on the
-node's real inputs (tkopt.bench_nodes.torch_node_rows).
+CPU time.perf_counter (tkopt.measure.Timer). Inductor runs only on CUDA by default (its CPU compile
+is slow and not the comparison that matters). Per fused node: the custom op vs the exact fx nodes it
+replaced (copied into a tiny GraphModule), on the node's real inputs, captured with torch.fx.Interpreter;
+on CUDA both sides as CUDA-graph replays, so the ratio compares kernels, not dispatch paths.
 """
 
 from __future__ import annotations
@@ -12,69 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from tkopt.bench import BenchResult, Timing, time_calls
-from tkopt.report import DEFAULT_TOLERANCE, TOLERANCES, OutputError
-
-
-def tensor_errors(name: str, got: Any, want: Any) -> OutputError:
-    """max abs / max rel (relative to max |want|) of `got` against `want`, in float64, NaN-aware."""
-    if not isinstance(want, torch.Tensor):
-        same = got == want
-        return OutputError(name, type(want).__name__, [], 0.0 if same else float("inf"),
-                           0.0 if same else float("inf"), 0.0)
-    dtype = str(want.dtype).removeprefix("torch.")
-    tol = TOLERANCES.get(dtype, DEFAULT_TOLERANCE)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return OutputError(name, dtype, list(want.shape), float("inf"), float("inf"), tol)
-    g = got.detach().to("cpu", torch.float64).numpy()
-    w = want.detach().to("cpu", torch.float64).numpy()
-    diff = np.where(np.isnan(g) & np.isnan(w), 0.0, np.abs(g - w))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    finite = np.abs(w[~np.isnan(w)])
-    scale = float(finite.max()) if finite.size else 0.0
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    return OutputError(name, dtype, list(want.shape), max_abs, max_rel, tol)
-
-
-def make_timer(device: torch.device, runs: int, warmup: int) -> Callable[[Callable[[], Any]], Timing]:
-    """A timer for `device`: CUDA events per call (synchronized) on CUDA, perf_counter elsewhere."""
-    if device.type != "cuda":
-        return lambda fn: time_calls(fn, runs, warmup)
-
-    def cuda_time(fn: Callable[[], Any]) -> Timing:
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        return Timing.of([s.elapsed_time(e) for s, e in events], warmup, "cuda_events")
-
-    return cuda_time
-
-
-def replayed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
-    """`fn` as a CUDA-graph replay on CUDA (its GPU time without the Python launch cost), else `fn`.
-
-    For per-node rows: both a fused op and the nodes it replaced are timed this way, so the ratio
-    compares kernels, not dispatch paths. Falls back to `fn` if it cannot be captured."""
-    from tkopt.cuda_graphs import capture
-
-    if device.type != "cuda":
-        return fn
-    try:
-        graph, _ = capture(fn, device)
-    except Exception:  # noqa: BLE001 - uncapturable: time it as is
-        return fn
-    return graph.replay
+from tkopt.accuracy import output_error
+from tkopt.bench import BenchResult, NodeBench
+from tkopt.ir import Graph
+from tkopt.measure import Timer, Timing
 
 
 def _device_name(device: torch.device) -> str:
@@ -97,29 +42,28 @@ def bench_module(
     inductor: bool | None = None,
     nodes: bool = True,
     name: str | None = None,
+    select: str | None = None,
 ) -> BenchResult:
     """Eager vs tkopt.compile (kernels on the inputs' device), per-output errors and latency.
 
     `inductor`: also time torch.compile(module) (default: on CUDA only). `nodes`: per fused node,
     the custom op vs the replaced fx nodes run as a tiny GraphModule, both on the node's captured
-    inputs. Runs under torch.no_grad(); the module should be in eval mode.
+    inputs. `select` as in tkopt.compile. Runs under torch.no_grad(); the module should be in eval mode.
     """
-    from tkopt.bench_nodes import torch_node_rows
-    from tkopt.frontends.fx import import_fx
-    from tkopt.kernel_dispatch import first_device, prepare_kernels
-    from tkopt.passes.pipeline import run_passes
+    from tkopt.fused_ops import use_kernels
+    from tkopt.targets.torch_target import first_device
     from tkopt.torch_compile import compile as tk_compile
 
     if runs < 1 or warmup < 0:
         raise ValueError(f"runs must be >= 1 and warmup >= 0 (got {runs}, {warmup})")
     inputs = tuple(example_inputs)
     device = first_device(inputs)
-    timer = make_timer(device, runs, warmup)
+    timer = Timer(device, runs, warmup)
     inductor = device.type == "cuda" if inductor is None else inductor
     notes: list[str] = []
     with torch.no_grad():
         want = _leaves(module(*inputs))
-        compiled = tk_compile(module, inputs, disable=disable, inductor=False)  # tkopt's graph alone
+        compiled = tk_compile(module, inputs, disable=disable, inductor=False, select=select)  # tkopt's graph alone
         got = _leaves(compiled(*inputs))
         timings = {"eager": timer(lambda: module(*inputs)), "tkopt": timer(lambda: compiled(*inputs))}
         if compiled.uncaptured_reason is None:  # also time it without CUDA graphs: what the graphs buy
@@ -130,8 +74,8 @@ def bench_module(
             notes.append(f"tkopt ran without CUDA graphs: {compiled.uncaptured_reason}")
         if inductor:  # tkopt's kernels for the fused nodes, inductor for the rest
             try:
-                hybrid = tk_compile(module, inputs, disable=disable, inductor=True)
-                worst = max((tensor_errors(k, g, w).max_rel
+                hybrid = tk_compile(module, inputs, disable=disable, inductor=True, select=select)
+                worst = max((output_error(k, g, w).max_rel
                              for (k, g), (_, w) in zip(_leaves(hybrid(*inputs)), want, strict=True)), default=0.0)
                 notes.append(f"tkopt_inductor vs eager max rel error {worst:.3g}")
                 timings["tkopt_inductor"] = timer(lambda: hybrid(*inputs))
@@ -144,24 +88,18 @@ def bench_module(
                 opt = torch.compile(module, mode=mode)
                 ind = _leaves(opt(*inputs))
                 # Before timing: with CUDA graphs, later calls overwrite these outputs.
-                worst = max((tensor_errors(k, g, w).max_rel for (k, g), (_, w) in zip(ind, want, strict=True)),
+                worst = max((output_error(k, g, w).max_rel for (k, g), (_, w) in zip(ind, want, strict=True)),
                             default=0.0)
                 timings[key] = timer(lambda opt=opt: opt(*inputs))
                 notes.append(f"{key} vs eager max rel error {worst:.3g}")
             except Exception as e:  # noqa: BLE001 - the anchor is optional; say why it is missing
                 notes.append(f"torch.compile (mode={mode}) failed: {type(e).__name__}: {e}")
-    report = compiled.tkopt_report
-    for node, why in report.kernel_fallbacks:
-        notes.append(f"{node} runs unfused on {device}: {why}")
-    for node, why in report.declined:
-        notes.append(f"{node} left unfused on {device}: {why}")
-    rows = []
-    if nodes:
-        # The same pipeline tkopt.compile ran, kept at hand: the IR says which fx nodes each fused node replaced.
-        graph = import_fx(torch.export.export(module, inputs))
-        run_passes(graph, disable)
-        prepare_kernels(graph, device)
-        rows = torch_node_rows(graph, inputs, timer)
+    spec = compiled.specializations[-1]
+    report = spec.report
+    for d in report.nodes:
+        if d.decision != "kept":
+            notes.append(f"{d.node} left unfused on {device}: {d.decision.replace('_', ' ')}: {d.reason}")
+    rows = torch_node_rows(spec.graph, inputs, timer) if nodes and spec.graphed else []
     for ours in ("tkopt", "tkopt_inductor"):
         for key in ("inductor", "inductor_cudagraphs"):
             if key in timings and ours in timings:
@@ -169,15 +107,50 @@ def bench_module(
                 notes.append(f"{ours} vs {key}: {ratio:.2f}x (> 1: tkopt faster)")
     return BenchResult(
         kind="torch", source=name or type(module).__name__, device=_device_name(device),
-        fused_runner=f"tkopt.compile ({'torch references' if _reference_mode() else 'TileLang kernels'})",
-        outputs=[tensor_errors(k, g, w) for (k, g), (_, w) in zip(got, want, strict=True)],
-        timings=timings, baseline="eager", fused="tkopt", claims_speedup=not _reference_mode(), nodes=rows,
+        fused_runner=f"tkopt.compile ({'TileLang kernels' if use_kernels() else 'torch references'})",
+        outputs=[output_error(k, g, w) for (k, g), (_, w) in zip(got, want, strict=True)],
+        timings=timings, baseline="eager", fused="tkopt", claims_speedup=use_kernels(), nodes=rows,
         inputs={f"arg{i}": list(x.shape) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)},
-        fusions=dict(report.fusions), notes=notes,
+        fusions=report.fusions, notes=notes, optimization=report.to_dict(),
     )
 
 
-def _reference_mode() -> bool:
-    from tkopt.kernel_dispatch import use_kernels
+def torch_node_rows(graph: Graph, example_inputs: Sequence[Any], timer: Callable[[Callable[[], Any]], Timing]
+                    ) -> list[NodeBench]:
+    """A NodeBench per fused node of `graph` (a specialization's IR, after the pipeline): its custom op
+    against the fx nodes it replaced, on their inputs captured from the original graph."""
+    from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
+    from tkopt.fused_ops import schema
+    from tkopt.object_trees import Boxer
+    from tkopt.targets.torch_target import capture_values, first_device, input_tensor, replaced_module, replayed
 
-    return not use_kernels()
+    fused = [n for n in graph.nodes if n.is_fused]
+    if not fused:
+        return []
+    gm = graph.meta["fx_module"]
+    device = first_device(example_inputs)
+    rows = []
+    with torch.no_grad():
+        flat = pytree.tree_leaves((Boxer().box((tuple(example_inputs), {})), {}))  # as tkopt.compile exported it
+        values = capture_values(gm, fused, flat)
+        for n in fused:
+            row = NodeBench(n.name, n.op, len(n.replaced))
+            rows.append(row)
+            try:
+                ins = [None if v is None else input_tensor(v, values, device) for v in n.inputs]
+                tiny, tiny_args = replaced_module(gm, n, values)
+            except ValueError as e:
+                row.note = f"inputs not captured ({e}); not measured"
+                continue
+            op, attrs = CUSTOM_OPS[n.op], attr_args(n.op, n.attrs)
+            ins = schema(n.op).padded(ins)
+            got = _as_list(op(*ins, *attrs))[: len(n.outputs)]
+            want = _as_list(tiny(*tiny_args))
+            row.fused = timer(replayed(lambda op=op, ins=ins, attrs=attrs: op(*ins, *attrs), device))
+            row.unfused = timer(replayed(lambda tiny=tiny, a=tiny_args: tiny(*a), device))
+            row.outputs = [output_error(v.name, g, w) for v, g, w in zip(n.outputs, got, want, strict=True)]
+    return rows
+
+
+def _as_list(x: Any) -> list[Any]:
+    return list(x) if isinstance(x, tuple | list) else [x]

@@ -24,7 +24,7 @@ def _optimize_model(args: argparse.Namespace, model: Path, output: Path) -> int:
 
     try:
         _, rep = optimize_onnx(model, output, disable=args.disable, report=False,
-                               check_accuracy=not args.no_check_accuracy, target=args.target)
+                               check_accuracy=not args.no_check_accuracy, target=args.target, select=args.select)
     except AccuracyError as e:
         print(f"tkopt: error: {e}", file=sys.stderr)
         return EXIT_ACCURACY
@@ -70,6 +70,13 @@ def _add_target(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--target", choices=("cpu", "sm80", "sm90"), default=default,
                    help="build the native ORT op library for this target beside the output"
                    + (f" (default: {default})" if default else ""))
+    _add_select(p)
+
+
+def _add_select(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--select", choices=("measured", "all"),
+                   help="measured: keep a fusion (and the fused model) only where it measured faster than ORT's "
+                   "own kernels (default where the target's library runs here); all: keep every fusion")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -111,7 +118,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from tkopt.bench import bench_onnx
 
     result = bench_onnx(args.model, target=args.target, runs=args.runs, warmup=args.warmup,
-                        disable=args.disable, seed=args.seed, nodes=not args.no_nodes)
+                        disable=args.disable, seed=args.seed, nodes=not args.no_nodes, select=args.select)
     result.render(Console())
     if args.json:
         print(f"wrote {result.write_json(args.json)}")
@@ -124,6 +131,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", choices=("cpu", "sm80", "sm90"),
                    help="run the fused model on the native op library built for this target (without it: "
                    "fused ops run their torch references, accuracy only)")
+    _add_select(p)
     p.add_argument("--disable", nargs="+", default=[], metavar="NAME", help="passes to skip")
     p.add_argument("--runs", type=int, default=20, help="timed runs per variant (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
@@ -134,8 +142,42 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_bench)
 
 
+def _run_coverage(args: argparse.Namespace) -> int:
+    from tkopt.coverage import ENTRIES, markdown, run
+
+    def progress(cell) -> None:  # noqa: ANN001 - tkopt.coverage.Cell, imported lazily
+        state = "error" if cell.error else f"{cell.fusions} max rel {cell.max_rel:.1e}"
+        print(f"{cell.model} · {ENTRIES[cell.entry]}: {state}", file=sys.stderr, flush=True)
+
+    rows, cells = run(args.models, args.entries, progress)
+    command = "tkopt coverage" + "".join(f" --{k} {' '.join(v)}" for k, v in
+                                         (("models", args.models), ("entries", args.entries)) if v)
+    text = markdown(rows, cells, command)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        print(f"wrote {out}")
+    else:
+        print(text)
+    return 0
+
+
+def _add_coverage(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("coverage", help="real models (tiny random configs) through every entry point, on CPU: "
+                       "fusions per layer, parity with eager, refusal reasons")
+    p.add_argument("--models", nargs="+", metavar="NAME", help="rows to run (default: all)")
+    p.add_argument("--entries", nargs="+", metavar="NAME", help="columns to run (default: all): compile, "
+                   "backend, backend_train, onnx_static, onnx_dynamic, onnx_torchscript")
+    p.add_argument("--out", help="write the Markdown table to this file (default: print it)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    p.set_defaults(run=_run_coverage)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_optimize, _add_demo, _add_fetch_headers,
-                                                                    _add_bench]
+                                                                    _add_bench, _add_coverage]
 
 
 def build_parser() -> argparse.ArgumentParser:

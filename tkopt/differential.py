@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tkopt.report import DEFAULT_TOLERANCE, TOLERANCES, Accuracy, OutputError
+from tkopt.accuracy import Accuracy, OutputError, output_error
 
 Feeds = Mapping[str, Any]
 
@@ -52,25 +52,6 @@ def trial_sizes(dims: Mapping[Hashable, DimRange]) -> list[dict[Hashable, int]]:
         if a not in out:
             out.append(a)
     return out
-
-
-def output_error(name: str, got: np.ndarray, want: np.ndarray, dtype: str | None = None) -> OutputError:
-    """Max abs/rel error of one output (NaN where the original has NaN counts as equal); `dtype`
-    names the original dtype when the arrays were upcast (bfloat16 held as float32)."""
-    dtype = dtype or str(want.dtype)
-    tol = TOLERANCES.get(dtype, DEFAULT_TOLERANCE)
-    if got.shape != want.shape:
-        return OutputError(name, dtype, list(want.shape), float("inf"), float("inf"), tol)
-    g, w = got.astype(np.float64), want.astype(np.float64)
-    both_nan = np.isnan(g) & np.isnan(w)
-    same_inf = np.isinf(g) & (g == w)
-    diff = np.where(both_nan | same_inf, 0.0, np.abs(g - w))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    finite = w[np.isfinite(w)]
-    scale = float(np.abs(finite).max()) if finite.size else 0.0
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    return OutputError(name, dtype, list(want.shape), max_abs, max_rel, tol)
 
 
 def sweep(

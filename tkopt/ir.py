@@ -27,8 +27,9 @@ FUSED_DOMAIN = "tkopt"
 class Value:
     """A tensor: its dtype ("float32", "float16", "bfloat16", "int64", "bool", ...) and shape.
 
-    `shape` is None when even the rank is unknown. `const` holds the data of initializers,
-    parameters and folded constants (a numpy array; bfloat16 data is kept as float32).
+    `shape` is None when even the rank is unknown. `const` holds the data of initializers, lifted
+    constants and folded constants (a numpy array; bfloat16 data is kept as float32); FX parameters and
+    persistent buffers have none, as they may change after compiling.
     `origin` is frontend data (e.g. the fx.Node that produces it).
     """
 

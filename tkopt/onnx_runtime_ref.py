@@ -11,7 +11,6 @@ TKOPT_ORT_LIBRARY) and then fused models run in ORT itself.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,9 +24,10 @@ from onnx.reference.op_run import OpRun
 
 from tkopt.fused_ops import SCHEMAS, run_reference
 from tkopt.ir import FUSED_DOMAIN
+from tkopt.ort.run import session
 
 
-def _to_torch(a: np.ndarray | None) -> torch.Tensor | None:
+def to_torch(a: np.ndarray | None) -> torch.Tensor | None:
     if a is None:
         return None
     a = np.asarray(a)
@@ -36,7 +36,7 @@ def _to_torch(a: np.ndarray | None) -> torch.Tensor | None:
     return torch.from_numpy(np.array(a))  # a writable copy (evaluator arrays may be read-only)
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -51,8 +51,8 @@ class _FusedOpRun(OpRun):
     def _run(self, *inputs: Any, **_: Any) -> tuple[np.ndarray, ...]:
         attrs = {a.name: helper.get_attribute_value(a) for a in self.onnx_node.attribute}
         attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-        outs = run_reference(self.onnx_node.op_type, [_to_torch(x) for x in inputs], attrs)
-        return tuple(_to_numpy(o) for o in outs[: len(self.onnx_node.output)])
+        outs = run_reference(self.onnx_node.op_type, [to_torch(x) for x in inputs], attrs)
+        return tuple(to_numpy(o) for o in outs[: len(self.onnx_node.output)])
 
 
 FUSED_OP_RUNS: list[type[OpRun]] = [type(name, (_FusedOpRun,), {}) for name in SCHEMAS]
@@ -66,22 +66,6 @@ def native_library() -> str | None:
     """Path of the native tkopt ORT op library, when one is configured (TKOPT_ORT_LIBRARY)."""
     path = os.environ.get("TKOPT_ORT_LIBRARY")
     return path if path and os.path.isfile(path) else None
-
-
-def ort_session(model: onnx.ModelProto, custom_ops_library: str | None = None) -> Any:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 4  # errors reach the caller as exceptions; ORT's logger would print them again
-    if custom_ops_library:
-        so.register_custom_ops_library(custom_ops_library)
-    if model.ByteSize() < 2**31:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    from tkopt.backends.onnx_model import save  # > 2 GB: ORT reads it from disk, with external data
-
-    with tempfile.TemporaryDirectory() as d:
-        path = save(model, os.path.join(d, "model.onnx"), external_data=True)
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def _segments(nodes: list[onnx.NodeProto]) -> list[list[onnx.NodeProto]]:
@@ -112,7 +96,7 @@ def run_hybrid(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray]) -> dict
     the fusions and nothing else (ReferenceEvaluator's own numpy ops differ, and some mis-handle
     shapes real exports use).
     """
-    from tkopt.backends.onnx_model import register_schemas
+    from tkopt.fused_ops.onnx_schema import register_schemas
 
     register_schemas()
     types = {vi.name: vi.type.tensor_type.elem_type
@@ -133,10 +117,10 @@ def run_hybrid(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray]) -> dict
             (n,) = seg
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-            ins = [None if not i else _to_torch(env[i] if i in env else onnx.numpy_helper.to_array(inits[i]))
+            ins = [None if not i else to_torch(env[i] if i in env else onnx.numpy_helper.to_array(inits[i]))
                    for i in n.input]
             outs = run_reference(n.op_type, ins, attrs)
-            env.update({name: _to_numpy(t) for name, t in zip(n.output, outs, strict=False)})
+            env.update({name: to_numpy(t) for name, t in zip(n.output, outs, strict=False)})
             continue
         produced = {o for n in seg for o in n.output if o}
         reads = set().union(*(_reads(n) for n in seg)) - produced
@@ -153,7 +137,7 @@ def run_hybrid(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray]) -> dict
         )
         sub = helper.make_model(g, opset_imports=list(model.opset_import), functions=list(model.functions))
         sub.ir_version = model.ir_version
-        env.update(zip(outs, ort_session(sub).run(outs, feeds), strict=True))
+        env.update(zip(outs, session(sub).run(outs, feeds), strict=True))
     return {o.name: np.asarray(env[o.name] if o.name in env else onnx.numpy_helper.to_array(inits[o.name]))
             for o in model.graph.output}
 
@@ -172,7 +156,7 @@ def run_model(
         provider = "hybrid" if has_fused_nodes(model) and lib is None else "ort"
     names = [o.name for o in model.graph.output]
     if provider == "ort":
-        outs = ort_session(model, lib if has_fused_nodes(model) else None).run(names, dict(inputs))
+        outs = session(model, lib if has_fused_nodes(model) else None).run(names, dict(inputs))
     elif provider == "hybrid":
         return run_hybrid(model, inputs)
     elif provider == "reference":

@@ -1,141 +1,162 @@
-"""What an optimization run did, for people (rich tables) and machines (to_dict / JSON).
+"""What an optimization did, for every entry point: one `Report`, for people (`print(report)`, the CLI's
+table) and machines (`report.to_dict()`, the JSON).
 
-Wraps the pass pipeline's report (nodes before/after, fusions per pass, canonicalization edits,
-refusals with reasons) with op counts and the fused-vs-unfused accuracy check.
+Per fused node the pipeline's decision: kept (it runs its kernel), slower (measured against what it
+replaces on the target, with both times), kernel_failed (its kernel could not be built or run, and why)
+or declined (why). Only kept nodes count as fused. `last_report()` is the latest report in the process:
+a `torch.compile(backend="tkopt")` user has no other handle on it.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from tkopt.passes.pipeline import Report as PassReport
+from tkopt.accuracy import Accuracy
+from tkopt.passes.pipeline import PassReport
 
-# Max error relative to the output's largest magnitude that counts as a match, per output dtype.
-TOLERANCES = {"float32": 1e-4, "float64": 1e-9, "float16": 1e-2, "bfloat16": 5e-2}
-DEFAULT_TOLERANCE = 1e-4
-
-
-@dataclass
-class OutputError:
-    """Fused vs unfused for one output. max_rel = max |fused - unfused| / max |unfused|."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    max_abs: float
-    max_rel: float
-    tolerance: float
-
-    @property
-    def ok(self) -> bool:
-        return self.max_rel <= self.tolerance  # NaN compares False: never ok
+DECISIONS = ("kept", "slower", "kernel_failed", "declined")
 
 
 @dataclass
-class Accuracy:
-    """Per-output errors and how each side ran (unfused: ORT; fused: "ort", "hybrid" or "reference")."""
+class NodeDecision:
+    """One candidate fusion and what became of it. Times are the fastest calls (tkopt.measure.compare) at
+    the size where the decision fell (the last one measured); `cached`: read from the decision cache."""
 
-    outputs: list[OutputError]  # per output, the worst error over all runs
-    fused_runner: str
-    unfused_runner: str = "ort"
-    inputs: dict[str, list[int]] = field(default_factory=dict)  # input name -> shape, the first (example) run
-    runs: list[dict[str, list[int]]] = field(default_factory=list)  # the input shapes of every run
-    skipped: list[str] = field(default_factory=list)  # sizes the original would not run at, and why
+    node: str
+    op: str
+    fusion: str  # the pass that made it
+    replaced: int  # how many original nodes it stands for
+    decision: str = "kept"
+    reason: str = ""
+    fused_ms: float | None = None
+    unfused_ms: float | None = None
+    cached: bool = False
 
     @property
-    def ok(self) -> bool:
-        return all(o.ok for o in self.outputs)
+    def speedup(self) -> float | None:
+        if self.fused_ms is None or self.unfused_ms is None or not self.fused_ms > 0:
+            return None
+        return self.unfused_ms / self.fused_ms
 
-    @property
-    def checked(self) -> bool:
-        """False when the original ran at no size tried: nothing was compared (`skipped` says why)."""
-        return bool(self.runs)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for o, src in zip(d["outputs"], self.outputs, strict=True):
-            o["ok"] = src.ok
-        d["ok"] = self.ok
-        return d
+@dataclass
+class WholeGraph:
+    """The final graph against the plain alternatives the user already has, at the example inputs."""
+
+    winner: str  # "tkopt" or the name of the alternative that was faster
+    times_ms: dict[str, float]  # variant -> its fastest call (tkopt.measure.compare says why the fastest)
+    cached: bool = False
+    note: str = ""
 
 
 @dataclass
 class Report:
-    """One optimization run: source/output, the pipeline's report, op counts, accuracy (if checked)."""
+    """One optimization run: where it came from and went, what the passes proposed, what the target kept."""
 
     source: str
+    target: str  # "torch-cpu", "torch-cuda", "ort-cpu", "ort-sm80", "ort-sm90", or "onnx" (no kernels)
+    select: str  # "measured" or "all"
     passes: PassReport
     ops_before: dict[str, int]
     ops_after: dict[str, int]
+    nodes_after: int
+    nodes: list[NodeDecision] = field(default_factory=list)
+    whole_graph: WholeGraph | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall time
     output: str | None = None
-    accuracy: Accuracy | None = None
-    target: str | None = None  # the op library's target, when one was built
     library: str | None = None
-    unfused: list[tuple[str, str]] = field(default_factory=list)  # (node, why no kernel serves it)
+    accuracy: Accuracy | None = None
 
+    # ---- queries --------------------------------------------------------------------------------
+    def decided(self, decision: str) -> list[NodeDecision]:
+        if decision not in DECISIONS:
+            raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
+        return [n for n in self.nodes if n.decision == decision]
+
+    @property
+    def fusions(self) -> dict[str, int]:
+        """Per fusion pass, how many of its nodes run fused (passes.fusions counts its candidates)."""
+        kept = Counter(n.fusion for n in self.decided("kept"))
+        return {name: kept[name] for name in self.passes.fusions}
+
+    @property
+    def total_fused(self) -> int:
+        return len(self.decided("kept"))
+
+    # ---- machines -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         p = self.passes
-        return {
+        return json_safe({
             "source": self.source,
             "output": self.output,
+            "target": self.target,
+            "select": self.select,
+            "library": self.library,
             "nodes_before": p.nodes_before,
-            "nodes_after": p.nodes_after,
-            "fusions": dict(p.fusions),
-            "total_fused": p.total_fused,
+            "nodes_after": self.nodes_after,
+            "candidates": dict(p.fusions),
+            "fusions": self.fusions,
+            "total_fused": self.total_fused,
+            "nodes": [{**asdict(n), "speedup": n.speedup} for n in self.nodes],
+            "whole_graph": None if self.whole_graph is None else asdict(self.whole_graph),
             "edits": dict(p.edits),
             "disabled": list(p.disabled),
             "refusals": [asdict(r) for r in p.refusals],
             "ops_before": dict(self.ops_before),
             "ops_after": dict(self.ops_after),
+            "seconds": dict(self.seconds),
             "accuracy": None if self.accuracy is None else self.accuracy.to_dict(),
-            "target": self.target,
-            "library": self.library,
-            "unfused_for_target": [{"node": n, "reason": r} for n, r in self.unfused],
-        }
+        })
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
+    # ---- people ---------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        buf = io.StringIO()
+        self.render(Console(file=buf, width=120, color_system=None, force_terminal=False))
+        return buf.getvalue().rstrip("\n")
+
     def render(self, console: Console | None = None, verbose: bool = False) -> None:
-        """Print the report; `verbose` lists every refusal and the full op counts."""
+        """Print the report; `verbose` lists every fused node, every refusal and the full op counts."""
         console = console or Console()
         p = self.passes
-        console.print(f"[bold]tkopt[/bold] {self.source}" + (f" -> {self.output}" if self.output else ""))
-        console.print(f"nodes: {p.nodes_before} -> {p.nodes_after}  fused: {p.total_fused}"
+        console.print(f"[bold]tkopt[/bold] {self.source}" + (f" -> {self.output}" if self.output else "")
+                      + f"  (target {self.target}, select {self.select})")
+        counts = Counter(n.decision for n in self.nodes)
+        console.print(f"nodes: {p.nodes_before} -> {self.nodes_after}  fused: {self.total_fused} of "
+                      f"{len(self.nodes)} candidates"
+                      + "".join(f", {counts[d]} {d.replace('_', ' ')}" for d in DECISIONS[1:] if counts[d])
                       + (f"  disabled: {', '.join(p.disabled)}" if p.disabled else ""))
-        if p.total_fused == 0:
+        if not self.nodes:
             console.print(f"[yellow]no fusable pattern found in {self.source}[/yellow]: the output is the model "
                           "re-emitted unchanged" + (" (near matches: --verbose)" if p.refusals else ""))
         t = Table(title="fusions")
-        t.add_column("pass")
-        t.add_column("fused", justify="right")
+        for col in ("pass", "candidates", "fused"):
+            t.add_column(col, justify="left" if col == "pass" else "right")
+        kept = self.fusions
         for name, n in p.fusions.items():
-            t.add_row(name, str(n))
+            t.add_row(name, str(n), str(kept.get(name, 0)))
         console.print(t)
-        fused_ops = {k.removeprefix("tkopt::"): v for k, v in self.ops_after.items() if k.startswith("tkopt::")}
-        if fused_ops:
-            console.print("fused nodes: " + ", ".join(f"{k} {v}" for k, v in fused_ops.items()))
+        if self.nodes:
+            console.print(self._node_table(verbose))
+        if self.whole_graph is not None:
+            w = self.whole_graph
+            ordered = sorted(w.times_ms.items(), key=lambda kv: kv[0] != "tkopt")
+            times = ", ".join(f"{k} {v:.3f} ms" for k, v in ordered)
+            console.print(f"whole graph: {times}: [bold]{w.winner}[/bold] runs" + (" (cached)" if w.cached else "")
+                          + (f"; {w.note}" if w.note else ""))
         if p.edits:
             console.print("canonicalization: " + ", ".join(f"{k} {v}" for k, v in p.edits.items()))
-        if p.refusals:
-            if verbose:
-                r = Table(title="near matches refused")
-                for col in ("rule", "node", "reason"):
-                    r.add_column(col)
-                for ref in p.refusals:
-                    r.add_row(ref.rule, ref.node, ref.reason)
-                console.print(r)
-            else:
-                by_rule: dict[str, int] = {}
-                for ref in p.refusals:
-                    by_rule[ref.rule] = by_rule.get(ref.rule, 0) + 1
-                console.print("refused: " + ", ".join(f"{k} {v}" for k, v in by_rule.items())
-                              + " (--verbose lists the reasons)")
+        self._render_refusals(console, verbose)
         if verbose:
             ops = Table(title="ops")
             for col in ("op", "before", "after"):
@@ -143,16 +164,63 @@ class Report:
             for op in sorted(set(self.ops_before) | set(self.ops_after)):
                 ops.add_row(op, str(self.ops_before.get(op, 0)), str(self.ops_after.get(op, 0)))
             console.print(ops)
-        if self.target is not None:
-            console.print(f"op library ({self.target}): {self.library or 'not written'}")
-            for node, reason in self.unfused:
-                console.print(f"  left unfused for {self.target}: {node}: {reason}")
+        if self.seconds:
+            console.print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
+        if self.library is not None:
+            console.print(f"op library ({self.target}): {self.library}")
         if self.accuracy is not None:
-            self.render_accuracy(console)
+            self._render_accuracy(console)
 
-    def render_accuracy(self, console: Console) -> None:
+    def _node_table(self, verbose: bool) -> Table:
+        """Every fused node with its times (verbose), else one row per (op, decision, reason) with a count
+        and the median node's speedup."""
+        t = Table(title="fused nodes" if verbose else "fused nodes (-v: one row each, with times)")
+        cols = ("node", "op", "decision", "fused ms", "unfused ms", "speedup") if verbose else \
+            ("nodes", "op", "decision", "speedup")
+        for col in cols:
+            t.add_column(col, justify="right" if col.endswith(("ms", "speedup")) or col == "nodes" else "left",
+                         no_wrap=True, overflow="ellipsis", max_width=32)
+        t.add_column("why", ratio=1)
+        rows: dict[tuple, list[NodeDecision]] = {}
+        for n in self.nodes:
+            rows.setdefault((n.node,) if verbose else (n.op, n.decision, n.reason), []).append(n)
+        for group in rows.values():
+            n = group[0]
+            mid = sorted(group, key=lambda d: d.speedup or 0.0)[len(group) // 2]
+            x = "-" if mid.speedup is None else f"{mid.speedup:.2f}x"
+            why = n.reason + (" (cached)" if n.cached else "")
+            if verbose:
+                t.add_row(n.node, n.op, _decision(n.decision), _ms(n.fused_ms), _ms(n.unfused_ms), x, why)
+            else:
+                t.add_row(str(len(group)), n.op, _decision(n.decision), x, why)
+        return t
+
+    def _render_refusals(self, console: Console, verbose: bool) -> None:
+        refusals = self.passes.refusals
+        if not refusals:
+            return
+        if verbose:
+            r = Table(title="near matches refused")
+            for col in ("rule", "node", "reason"):
+                r.add_column(col)
+            for ref in refusals:
+                r.add_row(ref.rule, ref.node, ref.reason)
+            console.print(r)
+            return
+        by_rule = Counter(ref.rule for ref in refusals)
+        console.print("refused: " + ", ".join(f"{k} {v}" for k, v in by_rule.items())
+                      + " (--verbose lists the reasons)")
+
+    def _render_accuracy(self, console: Console) -> None:
         a = self.accuracy
         assert a is not None
+        if not a.checked:
+            console.print(f"[yellow]accuracy check skipped[/yellow]: {a.skipped[0] if a.skipped else 'no run'}")
+            return
+        console.print(f"accuracy checked at {len(a.runs)} input size(s): "
+                      + "; ".join(", ".join(f"{k} {v}" for k, v in r.items()) for r in a.runs))
+        for why in a.skipped:
+            console.print(f"  not checked at {why}")
         if not a.checked:
             console.print(f"[yellow]accuracy check skipped[/yellow]: {a.skipped[0] if a.skipped else 'no run'}")
             return
@@ -167,3 +235,36 @@ class Report:
             t.add_row(o.name, o.dtype, str(o.shape), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}", f"{o.tolerance:.0e}",
                       "[green]ok[/green]" if o.ok else "[red]MISMATCH[/red]")
         console.print(t)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _decision(d: str) -> str:
+    return {"kept": "[green]kept[/green]", "kernel_failed": "[red]kernel failed[/red]"}.get(d, d)
+
+
+def json_safe(x: Any) -> Any:
+    """JSON has no NaN/inf: write them as strings ("nan", "inf") so the file stays standard JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x
+
+
+_LAST: list[Report] = []
+
+
+def remember(report: Report) -> None:
+    """Make `report` the one `last_report()` returns (the pipeline calls this for every run)."""
+    _LAST[:] = [report]
+
+
+def last_report() -> Report | None:
+    """The latest optimization report in this process (None before the first), from any entry point:
+    tkopt.compile, torch.compile(backend="tkopt"), optimize_onnx, the benchmarks."""
+    return _LAST[0] if _LAST else None

@@ -8,11 +8,15 @@ kept, and later calls pick the first one whose shape constraints they satisfy. W
 dynamic=False every new input signature gets its own static export. If the dynamic export fails,
 tkopt warns and exports statically.
 
+Each specialization goes through tkopt.pipeline with a torch target (tkopt.targets.torch_target): by
+default (select="measured") each fusion is kept only where it measured faster than what it replaces on
+the device, and the whole result only where it measured faster than the plain alternatives (eager; on
+CUDA also inductor with CUDA graphs): a specialization whose alternative won runs that alternative.
+
 On CUDA inputs (and with autograd off) each exact input signature is captured once as a CUDA graph
 and replayed afterwards (tkopt.cuda_graphs): the per-op Python dispatch would otherwise cost more
 than the kernels. cuda_graphs=False runs every call through Python. On CUDA the ops tkopt left
-unfused also go through inductor by default (inductor=None); fusions that cannot beat what they
-replace on the device are declined (kernel_dispatch.prepare_kernels).
+unfused also go through inductor by default (inductor=None).
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export import Dim
 
-from tkopt.backends.torch_module import to_torch_module
+from tkopt.accuracy import Accuracy
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.differential import AccuracyError, check_module
 from tkopt.frontends.fx import import_fx, node_val
-from tkopt.kernel_dispatch import first_device, prepare_kernels
+from tkopt.ir import Graph
 from tkopt.object_trees import Boxed, Boxer, unbox
-from tkopt.passes.pipeline import Report, run_passes
-from tkopt.report import Accuracy
+from tkopt.pipeline import optimize
+from tkopt.report import Report
+from tkopt.targets.torch_target import TorchTarget, first_device
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,9 @@ class Specialization:
     """One exported-and-optimized program and the inputs it accepts."""
 
     module: fx.GraphModule
-    run: Any  # what calls go to: `module`, or inductor's compilation of it
+    graph: Graph  # the IR it was emitted from (fused nodes know what they replaced)
+    run: Any  # what calls go to: `module`, inductor's compilation of it, or the plain alternative that won
+    graphed: bool  # whether calls may be replayed as CUDA graphs (not for an alternative that won)
     report: Report
     in_spec: pytree.TreeSpec
     inputs: list[Any]  # per flat input: its placeholder's example value (FakeTensor) or the constant
@@ -161,11 +168,12 @@ class CompiledModule(nn.Module):
     """Calls the optimized program matching the inputs; exports and optimizes a new one if none does."""
 
     def __init__(self, module: nn.Module, disable: Iterable[str], dynamic: bool, cuda_graphs: bool,
-                 inductor: bool | None, check_accuracy: bool = False) -> None:
+                 inductor: bool | None, select: str | None, check_accuracy: bool = False) -> None:
         super().__init__()
         self.check_accuracy = check_accuracy
         self.module = module  # the eager original: what every new specialization is exported from
         self.disable = tuple(disable)
+        self.select = select
         self.dynamic = dynamic
         self.cuda_graphs = cuda_graphs
         self.inductor = inductor
@@ -175,7 +183,7 @@ class CompiledModule(nn.Module):
 
     @property
     def tkopt_report(self) -> Report:
-        """The pass report of the latest optimized program."""
+        """The report of the latest specialization (`print` it for the table)."""
         return self.specializations[-1].report
 
     @property
@@ -192,20 +200,22 @@ class CompiledModule(nn.Module):
         """Export and optimize for boxed (args, kwargs) (see `forward`)."""
         ep = _export(self.module, args, kwargs, self.dynamic)
         graph = import_fx(ep)
-        report = run_passes(graph, self.disable)
-        device = first_device(pytree.tree_leaves((args, kwargs)))
-        report.declined, report.kernel_fallbacks = prepare_kernels(graph, device)
-        gm = to_torch_module(graph)
-        placeholders = gm.graph.find_nodes(op="placeholder")
         flat, spec = pytree.tree_flatten(((args, kwargs), {}))
-        examples = [node_val(p) if isinstance(x, (torch.Tensor, int)) and not isinstance(x, bool) else x
-                    for p, x in zip(placeholders, flat, strict=True)]
-        ranges = ep.range_constraints if self.dynamic else {}
+        device = first_device(flat)
         # Inductor on the rest: it fuses the elementwise ops tkopt leaves (RoPE, casts, masks) and calls
         # the tkopt:: ops as extern kernels, through their fake impls while tracing.
         use_inductor = device.type == "cuda" if self.inductor is None else self.inductor
-        run = InductorOrEager(gm, self.dynamic) if use_inductor else gm
-        entry = Specialization(gm, run, report, spec, examples, ranges)
+        wrap = (lambda gm: InductorOrEager(gm, self.dynamic)) if use_inductor else None
+        target = TorchTarget((args, kwargs), wrap=wrap, alternatives=self._alternatives(device),
+                             cuda_graphs=self.cuda_graphs, inductor=use_inductor)
+        result = optimize(graph, target, select=self.select, disable=self.disable, source=type(self.module).__name__)
+        gm = result.emitted
+        run = target.runner(gm) if result.winner == "tkopt" else result.artifact
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        examples = [node_val(p) if isinstance(x, (torch.Tensor, int)) and not isinstance(x, bool) else x
+                    for p, x in zip(placeholders, flat, strict=True)]
+        ranges = ep.range_constraints if self.dynamic else {}
+        entry = Specialization(gm, result.graph, run, result.winner == "tkopt", result.report, spec, examples, ranges)
         if self.check_accuracy:
             def eager(*a: Any, **kw: Any) -> Any:
                 a, kw = unbox((a, kw))[0]
@@ -224,6 +234,14 @@ class CompiledModule(nn.Module):
             log.info("tkopt.compile: optimized specialization %d for a new input signature", len(self.specializations))
         return entry
 
+    def _alternatives(self, device: torch.device) -> dict[str, Any]:
+        """What a user of this module already has, to time tkopt's result against (built on demand), called
+        as the exported program is (boxed inputs in, boxed outputs and final object states out)."""
+        alternatives: dict[str, Any] = {"eager": lambda: Exported(self.module)}
+        if device.type == "cuda":
+            alternatives["inductor+cudagraphs"] = lambda: torch.compile(Exported(self.module), mode="reduce-overhead")
+        return alternatives
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         boxer = Boxer()
         boxed = boxer.box((args, kwargs))
@@ -233,7 +251,12 @@ class CompiledModule(nn.Module):
             self.specialize(*boxed)
             index = len(self.specializations) - 1
         entry = self.specializations[index]
-        self.uncaptured_reason = capturable(flat, entry.module) if self.cuda_graphs else "cuda_graphs=False"
+        if not entry.graphed:
+            self.uncaptured_reason = f"the plain alternative ran faster ({entry.report.whole_graph.winner})"
+        elif not self.cuda_graphs:
+            self.uncaptured_reason = "cuda_graphs=False"
+        else:
+            self.uncaptured_reason = capturable(flat, entry.module)
         if self.uncaptured_reason is not None:
             out, finals = entry.run(*boxed)
         else:
@@ -251,6 +274,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     dynamic: bool = True,
     cuda_graphs: bool = True,
     inductor: bool | None = None,
+    select: str | None = None,
     check_accuracy: bool = False,
 ) -> CompiledModule:
     """Export `module` with `example_inputs` (its positional arguments; a lone tensor is the one argument)
@@ -260,16 +284,18 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Inputs and outputs may hold objects torch's pytree does not know, such as transformers' KV caches:
     they are flattened by their attributes (tkopt.object_trees), and a cache the model updates in place is
     updated in place. `disable` names passes to skip (tkopt.passes.pipeline.pass_names()). The result has
-    `.tkopt_report` (what the passes did) and `.graph_module` (the optimized fx.GraphModule, called as
-    `graph_module(args, kwargs)` on boxed inputs).
+    `.tkopt_report` (tkopt.report.Report: print it) and `.graph_module` (the optimized fx.GraphModule,
+    called as `graph_module(args, kwargs)` on boxed inputs).
     `cuda_graphs` replays CUDA calls without autograd as CUDA graphs (see the module docstring).
     `inductor` compiles what tkopt left unfused with torch.compile's inductor (the fused nodes stay
     tkopt's kernels); it costs inductor's compile time per specialization. None (default): on for
     CUDA inputs, where it measured 1.2-1.6x faster than running the leftovers eagerly (H200).
+    `select`: "measured" (the default wherever kernels run) keeps only fusions, and a result, that
+    measured faster on the device (tkopt.pipeline); "all" keeps every fusion that has a kernel.
     `check_accuracy` runs each optimized program against eager at several sizes its dims admit
     (tkopt.differential; `.tkopt_accuracy` lists them) and raises AccuracyError on a mismatch.
     """
-    compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor, check_accuracy)
+    compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor, select, check_accuracy)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     compiled.specialize(*Boxer().box((args, dict(example_kwargs or {}))))
     return compiled

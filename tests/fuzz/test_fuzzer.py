@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tkopt.fuzz.paths import Outcome, check, classify, compare
+from tkopt.fuzz.paths import Outcome, check, classify, compare, eager
 from tkopt.fuzz.render import load, render
 from tkopt.fuzz.shrink import features, reproducer, shrink
 from tkopt.fuzz.spec import OPTIONS, Block, GraphSpec, generate
@@ -28,6 +28,12 @@ def test_seeds_are_deterministic_and_cover_every_option() -> None:
     missing = [(kind, k, v) for kind, opts in OPTIONS.items() for k, vs in opts.items() for v in vs
                if (kind, k, v) not in seen]
     assert not missing
+
+
+def test_generated_modules_run_in_eager(tmp_path: Path) -> None:
+    """A graph eager rejects is counted, not checked: the generator must not waste seeds on them."""
+    for seed in range(40):
+        eager(load(render(generate(seed)), tmp_path, f"fuzz_eager_{seed}"))
 
 
 def test_compare_holds_nan_and_inf_to_their_places() -> None:

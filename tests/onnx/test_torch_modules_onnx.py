@@ -1,6 +1,7 @@
-"""torch's nn.TransformerEncoder through both ONNX exporters: the dynamo exporter's static-shape export
-(its default) fuses attention like the dynamic one, and a TorchScript export that runs only at its
-traced sizes gets its accuracy check skipped with one line that says so, not an ORT traceback."""
+"""Both ONNX exporters on torch's nn.TransformerEncoder and transformers' Llama: the dynamo exporter's
+static-shape export (its default) fuses attention like the dynamic one (K^T folded to a 3-D transpose,
+GQA included), and a TorchScript export that runs only at its traced sizes gets its accuracy check
+skipped with one line that says so, not an ORT traceback."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def test_dynamo_export_fuses_attention_with_static_and_dynamic_shapes(dynamic: b
     _, rep = tkopt.optimize_onnx(path, report=False, check_accuracy=True)
     assert rep.passes.fusions["attention"] == 2 and rep.passes.fusions["add_norm"] == 4
     assert not rep.passes.refusals
+    assert rep.accuracy is not None and all(o.max_rel < 1e-5 for o in rep.accuracy.outputs)
+
+
+def test_dynamo_static_export_fuses_gqa_attention(tmp_path, monkeypatch) -> None:
+    """Llama's K^T: the GQA head repeat's (B, Hkv, group, S, D) is reshaped straight to (B*H, S, D)."""
+    hf = pytest.importorskip("tkopt.models.hf")
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TKOPT_KERNELS", "reference")
+    model, inputs = hf.hf_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = export_onnx(model, inputs, tmp_path / "llama.onnx", dynamo=True, dynamic_batch_seq=False)
+    _, rep = tkopt.optimize_onnx(path, report=False, check_accuracy=True)
+    assert rep.passes.fusions["attention"] == 2 and not rep.passes.refusals
     assert rep.accuracy is not None and all(o.max_rel < 1e-5 for o in rep.accuracy.outputs)
 
 

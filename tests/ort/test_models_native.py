@@ -19,12 +19,13 @@ HF_EXPECTED = {
 
 def _check(path, expected: dict[str, int], tmp_path, broadcast_adds: int = 0) -> None:
     out = tmp_path / "fused.onnx"
-    _, report = tkopt.optimize_onnx(path, out, report=False, check_accuracy=True, target="cpu")
+    _, report = tkopt.optimize_onnx(path, out, report=False, check_accuracy=True, target="cpu", select="all")
     assert {k: report.passes.fusions.get(k, 0) for k in expected} == expected
     # The only nodes left without a kernel: add+norms whose residual broadcasts (TorchScript exports
     # lose the dims that would have let the pass see it), put back unfused with that reason.
-    assert len(report.unfused) == broadcast_adds
-    assert all("a broadcasting add" in why for _, why in report.unfused)
+    failed = report.decided("kernel_failed")
+    assert len(failed) == broadcast_adds and report.total_fused == sum(expected.values()) - broadcast_adds
+    assert all("a broadcasting add" in d.reason for d in failed)
     assert report.accuracy.fused_runner == "ort"  # the native library, not a Python fallback
     assert all(o.max_rel < 1e-5 for o in report.accuracy.outputs), report.accuracy.outputs
     assert report.library is not None and (tmp_path / "fused.tkopt-cpu.so").is_file()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import shutil
 from pathlib import Path
@@ -12,17 +11,28 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from tkopt.api import make_inputs
 from tkopt.backends.onnx_model import check
 from tkopt.backends.onnx_model import export_onnx as to_onnx
 from tkopt.frontends.onnx import import_onnx
 from tkopt.models.blocks import REFERENCE_MODELS
 from tkopt.models.export import export_onnx
 from tkopt.ort import headers
-from tkopt.ort.library import build_library, check_target
+from tkopt.ort.library import KernelLibrary, check_target
 from tkopt.ort.native import KernelSource, LibraryBuildError, compile_library
+from tkopt.ort.run import make_inputs
 from tkopt.ort.session import InferenceSession, OpLibraryError
 from tkopt.passes.pipeline import run_passes
+from tkopt.pipeline import optimize
+from tkopt.targets.ort_target import OrtTarget
+
+
+def build(graph, target: str, path: Path) -> dict[str, str]:
+    """Every fused node's kernel built and linked into `path`: {node: why} for nodes without one."""
+    lib = KernelLibrary(target)
+    fused = [n for n in graph.nodes if n.is_fused]
+    failed = lib.prepare(fused)
+    lib.link([n for n in fused if n.name not in failed], path)
+    return failed
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +43,12 @@ def bert(tmp_path_factory) -> dict:
     src = export_onnx(model, inputs, d / "bert.onnx", dynamo=True)
     graph = import_onnx(src)
     run_passes(graph)
-    build = build_library(graph, "cpu", d / "bert.cpu.so")
+    failed = build(graph, "cpu", d / "bert.cpu.so")
     fused = to_onnx(graph)
     onnx.helper.set_model_props(fused, {"tkopt.op_library": "bert.cpu.so", "tkopt.target": "cpu"})
     check(fused)
     onnx.save(fused, d / "bert.tkopt.onnx")
-    return {"dir": d, "src": src, "fused": d / "bert.tkopt.onnx", "build": build, "model": model}
+    return {"dir": d, "src": src, "fused": d / "bert.tkopt.onnx", "failed": failed, "model": model}
 
 
 def _run(session, feeds):
@@ -46,8 +56,7 @@ def _run(session, feeds):
 
 
 def test_fused_nodes_run_natively_and_match(bert):
-    build = bert["build"]
-    assert build.unfused == [] and build.nodes == 9  # 6 gemm + attention + 2 add+norm
+    assert bert["failed"] == {}
     fused = onnx.load(bert["fused"])
     assert sum(n.domain == "tkopt" for n in fused.graph.node) == 9
     ref = ort.InferenceSession(str(bert["src"]), providers=["CPUExecutionProvider"])
@@ -107,19 +116,21 @@ def test_library_for_another_model_is_refused(bert, tmp_path):
         InferenceSession(path)
 
 
-def test_unservable_nodes_are_left_unfused(tmp_path, caplog):
-    """The CPU kernels are float32/float64: a float16 model keeps its nodes unfused, and still runs."""
+def test_unservable_nodes_are_left_unfused(tmp_path):
+    """The CPU kernels are float32/float64: a float16 model keeps its nodes unfused, with a warning and the
+    reason in the report, and still runs."""
     model, inputs = REFERENCE_MODELS["mlp"]()
     src = export_onnx(model.half(), tuple(t.half() for t in inputs), tmp_path / "mlp16.onnx", dynamo=True)
     graph = import_onnx(src)
-    report = run_passes(graph)
-    assert report.total_fused > 0
-    with caplog.at_level(logging.WARNING, logger="tkopt"):
-        build = build_library(graph, "cpu", tmp_path / "mlp16.so")
-    assert build.nodes == 0 and len(build.unfused) == report.total_fused
-    assert all("float16 has no cpu kernel" in reason for _, reason in build.unfused)
-    assert "unfused" in caplog.text
-    out = to_onnx(graph)
+    with pytest.warns(UserWarning, match=r"runs unfused on ORT cpu: its kernel failed: .*float16 has no cpu kernel"):
+        result = optimize(graph, OrtTarget("cpu", graph.meta["onnx_model"], tmp_path), select="all")
+    report = result.report
+    assert report.passes.total_fused > 0 and report.total_fused == 0 and not any(report.fusions.values())
+    failed = report.decided("kernel_failed")
+    assert len(failed) == report.passes.total_fused
+    assert all("float16 has no cpu kernel" in d.reason for d in failed)
+    assert result.artifact.library is None
+    out = result.artifact.model
     assert not any(n.domain == "tkopt" for n in out.graph.node)
     sess = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = make_inputs(onnx.load(str(src)))
@@ -144,7 +155,7 @@ def test_newer_headers_than_runtime_fail_clearly(bert, tmp_path, monkeypatch):
     monkeypatch.setenv("TKOPT_ORT_INCLUDE", str(newer))
     graph = import_onnx(bert["src"])
     run_passes(graph, disable=["attention", "add_norm"])
-    build_library(graph, "cpu", tmp_path / "new.so")
+    build(graph, "cpu", tmp_path / "new.so")
     so = ort.SessionOptions()
     with pytest.raises(Exception, match="built against ONNX Runtime C API version 999"):
         so.register_custom_ops_library(str(tmp_path / "new.so"))
@@ -165,6 +176,6 @@ def test_cuda_library_compiles(tmp_path, target):
     src = export_onnx(model.half(), tuple(t.half() for t in inputs), tmp_path / "mlp16.onnx", dynamo=True)
     graph = import_onnx(src)
     report = run_passes(graph)
-    build = build_library(graph, target, tmp_path / f"mlp.{target}.so")
-    assert build.unfused == [] and build.nodes == report.total_fused
-    assert Path(build.path).stat().st_size > 0
+    assert report.total_fused > 0
+    assert build(graph, target, tmp_path / f"mlp.{target}.so") == {}
+    assert (tmp_path / f"mlp.{target}.so").stat().st_size > 0

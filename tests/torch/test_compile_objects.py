@@ -72,7 +72,7 @@ def test_self_referencing_object_is_one_clear_error() -> None:
 
 
 transformers = pytest.importorskip("transformers")
-from tkopt.models.hf import tiny_causal_lm  # noqa: E402
+from tkopt.models.hf import tiny_model  # noqa: E402
 
 # Decoder families from transformers, each with its default config but tiny sizes: learned and rotary
 # positions (full, partial, interleaved), MHA/GQA/MQA, LayerNorm/RMSNorm/(1 + w) RMSNorm, serial and
@@ -96,7 +96,7 @@ def _greedy(model: nn.Module, ids: torch.Tensor, steps: int = 3) -> tuple[torch.
 def test_decoder_greedy_decode_with_cache_matches_eager(model_type: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = tiny_causal_lm(model_type)
+        model = tiny_model(model_type, "AutoModelForCausalLM")
         ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(0))
         fast = tkopt.compile(model, (ids,))
         want_tokens, want = _greedy(model, ids)
@@ -113,7 +113,7 @@ def test_decoder_greedy_decode_with_cache_matches_eager(model_type: str) -> None
 def test_decoder_keyword_inputs_and_cache_off() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = tiny_causal_lm("llama")
+        model = tiny_model("llama", "AutoModelForCausalLM")
         ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(ids)
         fast = tkopt.compile(model, (), {"input_ids": ids, "attention_mask": mask, "use_cache": False})

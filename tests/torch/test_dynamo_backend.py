@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tkopt.backends.dynamo import make_backend
-from tkopt.frontends.fast_paths import native_multi_head_attention, transformer_encoder_layer_fwd
+from tkopt.frontends.decompositions import native_multi_head_attention, safe_softmax, transformer_encoder_layer_fwd
 
 D, H = 32, 4
 
@@ -81,6 +81,14 @@ def test_transformer_encoder_layer_decomposition(norm_first: bool, use_gelu: boo
     _assert_close_with_nan(transformer_encoder_layer_fwd(*args), torch._transformer_encoder_layer_fwd(*args))
 
 
+def test_safe_softmax_decomposition() -> None:
+    x = torch.randn(2, 3, 5)
+    x[0, 1] = float("-inf")  # a fully masked row: 0, not NaN
+    x[1, 2, :3] = float("-inf")
+    for dim in (-1, 1):
+        torch.testing.assert_close(safe_softmax(x, dim), torch.ops.aten._safe_softmax(x, dim), rtol=0, atol=0)
+
+
 # ---- torch's modules through the backend -------------------------------------------------------
 
 def _encoder_layer(norm_first: bool) -> nn.Module:
@@ -121,19 +129,19 @@ def test_encoder_layer_training_fuses_and_gradients_match(norm_first: bool) -> N
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     fusions = _fusions(backend)
     assert fusions["attention"] >= 1 and fusions["add_norm"] >= 2 and fusions["gemm"] >= 1
-    refusals = [str(r) for gm in backend.graph_modules for r in gm.tkopt_report.refusals]
+    refusals = [str(r) for gm in backend.graph_modules for r in gm.tkopt_report.passes.refusals]
     assert not any("also used by the graph output" in r or "mean/inv-std outputs are used" in r for r in refusals)
 
 
 transformers = pytest.importorskip("transformers")
-from tkopt.models.hf import tiny_causal_lm  # noqa: E402
+from tkopt.models.hf import tiny_model  # noqa: E402
 
 
 def test_decoder_under_no_grad_fuses_and_decodes() -> None:
     """A transformers decoder with its default config (cache on) under no_grad: prefill and a decode step."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = tiny_causal_lm("llama", num_hidden_layers=1)
+        model = tiny_model("llama", "AutoModelForCausalLM", num_hidden_layers=1)
         fast, backend = _compiled(model)
         ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -151,7 +159,7 @@ def test_decoder_training_fuses_every_norm_and_gradients_match() -> None:
     constant, and the detach autograd records on the saved rsqrt does not hide the norm from recognition."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = tiny_causal_lm("llama", num_hidden_layers=1).train()
+        model = tiny_model("llama", "AutoModelForCausalLM", num_hidden_layers=1).train()
         fast, backend = _compiled(model)
         ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
         grads = []
@@ -163,3 +171,34 @@ def test_decoder_training_fuses_every_norm_and_gradients_match() -> None:
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert _fusions(backend) == {"attention": 1, "add_norm": 3, "gated_mlp": 1, "gemm": 6}
+
+
+class BiasedAttention(nn.Module):
+    """Attention with a learned additive position bias (T5's form): in training SDPA takes its math path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.bias = nn.Parameter(torch.randn(1, H, 6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[..., :s, :s])
+
+
+def test_attention_with_a_learned_bias_fuses_in_training() -> None:
+    """The math path's _safe_softmax is traced as the row-guarded softmax the attention pass knows."""
+    torch.manual_seed(0)
+    model = BiasedAttention().train()
+    fast, backend = _compiled(model)
+    x, r = torch.randn(2, 6, D), torch.randn(2, H, 6, D // H)
+    grads = []
+    for fn in (fast, model):
+        model.zero_grad()
+        out = fn(x)
+        (out * r).sum().backward()
+        grads.append([out.detach()] + [p.grad for p in model.parameters()])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert _fusions(backend)["attention"] == 1

@@ -1,5 +1,5 @@
 """FX frontend: real torch.export programs (before and after run_decompositions) and Dynamo graphs
-become IR graphs with canonical ops, constant parameters, symbolic dims and fx origins."""
+become IR graphs with canonical ops, parameters (live, not constant), symbolic dims and fx origins."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ class Block(nn.Module):
         self.qkv = nn.Linear(D, 3 * D, bias=False)
         self.ln = nn.LayerNorm(D, eps=1e-6)
         self.register_buffer("shift", torch.linspace(0, 1, D))
+        self.register_buffer("tilt", torch.linspace(1, 2, D), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b, s, _ = x.shape
-        h = F.gelu(self.fc(x), approximate="tanh") * 0.5 + self.shift
+        h = F.gelu(self.fc(x), approximate="tanh") * 0.5 + self.shift * self.tilt
         q, k, v = self.qkv(h).view(b, s, 3, H, D // H).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D)
         y = self.ln(a + h).softmax(-1)
@@ -88,13 +89,16 @@ def test_symbolic_dims_and_constants(exported):
     reshape = next(n for n in g.nodes if n.op == "Reshape")
     assert reshape.attrs["shape"][0] == batch and reshape.attrs["shape"][2:] == [3, H, D // H]
     mod = exported.module()
-    consts = {v.name: v for v in g.values() if v.is_const}
-    for name in ("fc_weight", "fc_bias", "qkv_weight", "ln_weight", "shift"):
-        expect = dict(mod.named_parameters()) | dict(mod.named_buffers())
-        np.testing.assert_array_equal(consts[name].const, expect[name.replace("fc_", "fc.").replace(
-            "qkv_", "qkv.").replace("ln_", "ln.")].detach().numpy())
+    state = dict(mod.named_parameters()) | dict(mod.named_buffers())
+    values = {v.name: v for v in g.values()}
     producers = g.producers()
-    assert not any(id(v) in producers for v in consts.values())
+    for name in ("fc_weight", "fc_bias", "qkv_weight", "ln_weight", "shift", "tilt"):
+        v, t = values[name], state[name.replace("_", ".", 1) if name.startswith(("fc_", "qkv_", "ln_")) else name]
+        assert id(v) not in producers and v not in g.inputs and v.shape == tuple(t.shape)
+        if name == "tilt":  # a non-persistent buffer: derived at construction, a constant
+            np.testing.assert_array_equal(v.const, t.numpy())
+        else:  # parameters and persistent buffers may be trained or loaded after compiling
+            assert v.const is None
     assert not any(v.is_const for v in g.inputs)
     mul = next(n for n in g.nodes if n.op == "Mul" and n.inputs[1].is_const)
     assert mul.inputs[1].const.item() == 0.5 and mul.inputs[1].shape == ()
@@ -168,10 +172,17 @@ def test_symbolic_trace_needs_example_inputs():
 
 
 def test_bfloat16_constants_are_float32_numpy():
-    m = nn.Linear(4, 4).to(torch.bfloat16)
-    g = import_fx(torch.export.export(m, (torch.randn(2, 4, dtype=torch.bfloat16),)))
-    w = next(v for v in g.values() if v.name == "weight")
-    assert w.dtype == "bfloat16" and w.const.dtype == np.float32
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.linspace(1, 2, 4, dtype=torch.bfloat16), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    g = import_fx(torch.export.export(Scaled(), (torch.randn(2, 4, dtype=torch.bfloat16),)))
+    c = next(v for v in g.values() if v.name == "scale")
+    assert c.dtype == "bfloat16" and c.const.dtype == np.float32
 
 
 def test_layout_changing_clone_is_not_identity():

@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.export import Dim
 
-from tkopt.backends.torch_module import to_torch_module
 from tkopt.frontends.fx import import_fx
-from tkopt.kernel_dispatch import prepare_kernels
-from tkopt.passes.pipeline import run_passes
+from tkopt.pipeline import optimize
+from tkopt.targets.torch_target import TorchTarget
 
 D = 8
 
@@ -55,11 +54,9 @@ def test_size_reads_of_a_fused_intermediate_are_rederived() -> None:
     dims = {0: Dim("batch", min=2, max=16), 1: Dim("seq", min=2, max=64)}
     ep = torch.export.export(model, (torch.randn(2, 5, D),), dynamic_shapes=(dims,))
     gm = _reading_sizes_off(ep.module(), torch.ops.aten.linear.default)
-    graph = import_fx(gm)
-    report = run_passes(graph)
-    assert report.fusions["gemm"] == 2  # linear+gelu absorbs the linear output the sizes were read off
-    prepare_kernels(graph, torch.device("cpu"))
-    fused = to_torch_module(graph)
+    result = optimize(import_fx(gm), TorchTarget((torch.randn(2, 5, D),)), select="all")
+    assert result.report.fusions["gemm"] == 2  # linear+gelu absorbs the linear output the sizes were read off
+    fused = result.emitted
     size_ops = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
     reads = [n for n in fused.graph.nodes if n.target in size_ops]
     assert reads and all(n.args[0].op == "placeholder" for n in reads)

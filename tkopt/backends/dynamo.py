@@ -1,13 +1,18 @@
 """torch.compile backend "tkopt": `torch.compile(model, backend="tkopt")`.
 
 Dynamo's graph is traced to a functional aten graph of the forward first (torch's fused inference
-fast paths decomposed, tkopt.frontends.fast_paths), so tkopt sees the same aten ops as from
+fast paths decomposed, tkopt.frontends.decompositions), so tkopt sees the same aten ops as from
 torch.export, and is fused there: before AOTAutograd differentiates it. The fused nodes are tkopt::
 custom ops with an autograd formula (their reference, recomputed from their saved inputs), so in
 training AOTAutograd saves the fused ops' inputs and the backward recomputes what it needs: no
 fusion is refused because backward needs an intermediate. Under no_grad the same fused graph is
 AOTAutograd's inference graph. Registered through the `torch_dynamo_backends` entry point in
 pyproject.toml.
+
+The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on
+real stand-ins for Dynamo's fake example inputs); where the optimized graph measures slower as a whole
+than the aten graph as traced, the traced one goes to AOTAutograd. `tkopt.last_report()` shows what
+happened.
 
 On CUDA the optimized forward graph is replayed as a CUDA graph per input signature, as in
 tkopt.compile (tkopt.cuda_graphs); parameters, which Dynamo passes as graph inputs, are captured
@@ -31,31 +36,57 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tkopt.backends.torch_module import to_torch_module
 from tkopt.cuda_graphs import GraphCache, capturable, signature
-from tkopt.frontends.fast_paths import FAST_PATH_DECOMPOSITIONS
+from tkopt.frontends.decompositions import TRACE_DECOMPOSITIONS
 from tkopt.frontends.fx import import_fx, node_val
-from tkopt.kernel_dispatch import first_device, prepare_kernels
-from tkopt.passes.pipeline import run_passes
+from tkopt.pipeline import optimize
+from tkopt.targets.torch_target import TorchTarget
 
 log = logging.getLogger(__name__)
 
 
+def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
+    """Real inputs to measure on: real tensors as they are; for Dynamo's fakes, tensors of their shapes
+    (symbolic sizes at their hints), dtypes and devices, with random floats, zero integers (valid
+    indices) and true bools; SymInts as their hints."""
+
+    def hint(d: Any) -> int:
+        return d if isinstance(d, int) else int(d.node.hint)
+
+    out: list[Any] = []
+    with unset_fake_temporarily():
+        for x in example_inputs:
+            if isinstance(x, FakeTensor):
+                shape = [hint(d) for d in x.shape]
+                if x.is_floating_point():
+                    out.append(torch.randn(shape, dtype=x.dtype, device=x.device))
+                else:
+                    fill = True if x.dtype == torch.bool else 0
+                    out.append(torch.full(shape, fill, dtype=x.dtype, device=x.device))
+            else:
+                out.append(hint(x) if isinstance(x, torch.SymInt) else x)
+    return out
+
+
 def optimize_graph_module(
-    gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = ()
+    gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = (), select: str | None = None,
+    cuda_graphs: bool = True,
 ) -> fx.GraphModule:
-    """Import an aten-level GraphModule, run the passes, rebuild it (report in `.tkopt_report`).
+    """Optimize an aten-level GraphModule through tkopt.pipeline: the module to run (tkopt's, or `gm` itself
+    where it measured faster as a whole), with the report in `.tkopt_report`.
 
     AOTAutograd may call its compilers inside its FakeTensorMode (inference graphs do); tkopt reads the
     graph's real constants and probes kernels on real tensors, so it leaves that mode while it works.
     """
     with unset_fake_temporarily():
-        graph = import_fx(gm)
-        report = run_passes(graph, disable)
-        report.declined, report.kernel_fallbacks = prepare_kernels(graph, first_device(example_inputs))
-        out = to_torch_module(graph)
-    out.tkopt_report = report
-    log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.nodes_before,
+        args = real_inputs(example_inputs)
+        on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
+        graphed = (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
+        target = TorchTarget(args, wrap=graphed, alternatives={"eager": lambda: graphed(gm)}, cuda_graphs=False)
+        result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile graph")
+    out = result.emitted if result.winner == "tkopt" else gm
+    out.tkopt_report = report = result.report
+    log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.passes.nodes_before,
              report.nodes_after)
     return out
 
@@ -84,12 +115,12 @@ def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphM
     fakes = [node_val(p) for p in gm.graph.find_nodes(op="placeholder")]
     functional = torch.func.functionalize(gm)
     if any(v is None for v in fakes):
-        traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS, tracing_mode="fake")(
+        traced = make_fx(functional, decomposition_table=TRACE_DECOMPOSITIONS, tracing_mode="fake")(
             *example_inputs)
     else:
         mode = next((v.fake_mode for v in fakes if isinstance(v, FakeTensor)), None)
         with mode if mode is not None else contextlib.nullcontext():
-            traced = make_fx(functional, decomposition_table=FAST_PATH_DECOMPOSITIONS)(*fakes)
+            traced = make_fx(functional, decomposition_table=TRACE_DECOMPOSITIONS)(*fakes)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
@@ -116,8 +147,10 @@ def specialize_float_inputs(gm: fx.GraphModule) -> None:
         raise TensorifyScalarRestartAnalysis
 
 
-def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True) -> Callable[..., Any]:
-    """A torch.compile backend that skips the passes named in `disable`; `cuda_graphs` as in tkopt.compile."""
+def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None
+                 ) -> Callable[..., Any]:
+    """A torch.compile backend that skips the passes named in `disable`; `cuda_graphs` and `select` as in
+    tkopt.compile."""
     disabled = tuple(disable)
 
     def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -125,7 +158,8 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True) -> Calla
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         specialize_float_inputs(gm)
-        optimized = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs)
+        optimized = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs, select,
+                                          cuda_graphs)
 
         def forward_compiler(fw: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
             # Recorded here, not above: Dynamo may restart after AOTAutograd rejects a first graph (it

@@ -2,8 +2,8 @@
 
 Unfused nodes are re-emitted from their NodeProto (`origin`) with only their value names updated,
 so they run exactly as before; fused nodes become domain "tkopt" nodes with every attribute
-explicit. The tkopt op schemas are registered with onnx so that the checker (full_check) and shape
-inference understand the fused nodes.
+explicit. The tkopt op schemas (tkopt.fused_ops.onnx_schema) are registered with onnx so that the
+checker (full_check) and shape inference understand the fused nodes.
 """
 
 from __future__ import annotations
@@ -17,85 +17,15 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-from onnx.defs import OpSchema
 
 from tkopt.frontends.onnx import CONST_INPUT_ATTRS, ELEM_TYPES, outer_reads
-from tkopt.fused_ops import FLOAT_DTYPES, MASK_DTYPES, SCHEMAS, FusedOpSchema
+from tkopt.fused_ops import SCHEMAS
+from tkopt.fused_ops.onnx_schema import FUSED_OPSET, register_schemas
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 from tkopt.onnx_checker import checkable
 
-FUSED_OPSET = 1
 DEFAULT_OPSET = 18  # for graphs that did not come from ONNX
 TWO_GB = 2**31
-
-_ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
-               "float64": "tensor(double)", "bool": "tensor(bool)"}
-
-
-# ---- tkopt op schemas -------------------------------------------------------------------------
-def _out_shape(op: str, ctx: Any, attrs: dict[str, Any]) -> list[onnx.TypeProto]:
-    """Output types of a fused node from its input types (same dtype as the first input)."""
-    first = ctx.get_input_type(0)
-    out = onnx.TypeProto()
-    out.CopyFrom(first)
-    dims = out.tensor_type.shape.dim if out.tensor_type.HasField("shape") else None
-    if dims is not None and len(dims) > 0:
-        if op in ("FusedGemm", "FusedGatedMLP"):
-            w = ctx.get_input_type(1)
-            wdims = w.tensor_type.shape.dim if w.tensor_type.HasField("shape") else []
-            if len(wdims) == 2:
-                dims[-1].CopyFrom(wdims[0] if attrs.get("trans_b", 0) else wdims[1])
-            else:
-                out.tensor_type.ClearField("shape")
-        elif op == "FusedAttention":
-            v = ctx.get_input_type(2)
-            vdims = v.tensor_type.shape.dim if v.tensor_type.HasField("shape") else []
-            if len(vdims) == len(dims):
-                dims[-1].CopyFrom(vdims[-1])
-            else:
-                out.tensor_type.ClearField("shape")
-    return [out] * ctx.get_num_outputs()
-
-
-def _inference(op: str):
-    def infer(ctx: Any) -> None:
-        if not ctx.has_input(0) or not ctx.get_input_type(0).HasField("tensor_type"):
-            return
-        attrs = {}
-        if op in ("FusedGemm", "FusedGatedMLP"):
-            a = ctx.get_attribute("trans_b")
-            attrs["trans_b"] = a.i if a is not None else 0
-        for i, t in enumerate(_out_shape(op, ctx, attrs)):
-            ctx.set_output_type(i, t)
-
-    return infer
-
-
-def _onnx_schema(s: FusedOpSchema) -> OpSchema:
-    opt, single = OpSchema.FormalParameterOption.Optional, OpSchema.FormalParameterOption.Single
-    ins = [
-        OpSchema.FormalParameter(n, "M" if n == "mask" else "T", param_option=opt if n in s.optional_inputs else single)
-        for n in s.inputs
-    ]
-    outs = [
-        OpSchema.FormalParameter(n, "T", param_option=opt if n in s.optional_outputs else single) for n in s.outputs
-    ]
-    constraints = [("T", [_ONNX_TYPES[d] for d in FLOAT_DTYPES], "float tensors")]
-    if "mask" in s.inputs:
-        constraints.append(("M", [_ONNX_TYPES[d] for d in MASK_DTYPES], "additive float mask or boolean keep-mask"))
-    attrs = [OpSchema.Attribute(k, helper.make_attribute(k, v), "") for k, v in s.attrs.items()]
-    doc = f"tkopt fused op {s.name}; semantics: tkopt.fused_ops.SCHEMAS[{s.name!r}]"
-    sch = OpSchema(s.name, FUSED_DOMAIN, FUSED_OPSET, doc, inputs=ins, outputs=outs, type_constraints=constraints,
-                   attributes=attrs)
-    sch.set_type_and_shape_inference_function(_inference(s.name))
-    return sch
-
-
-def register_schemas() -> None:
-    """Make onnx's checker and shape inference know the tkopt ops (idempotent)."""
-    for s in SCHEMAS.values():
-        if not onnx.defs.has(s.name, FUSED_DOMAIN):
-            onnx.defs.register_schema(_onnx_schema(s))
 
 
 # ---- export -----------------------------------------------------------------------------------

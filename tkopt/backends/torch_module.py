@@ -25,15 +25,13 @@ from torch._prims_common import (
 )
 
 from tkopt.frontends.fx import node_val
+from tkopt.fused_ops import schema
 from tkopt.ir import Graph, Node, Value
 
-from .torch_ops import CUSTOM_OPS
+from .torch_ops import CUSTOM_OPS, attr_args
 
 _KEPT_ATTRS = ("_in_spec", "_out_spec", "range_constraints")  # what an unlifted program's code reads
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16}
-_PY_TYPES = {"int": int, "float": float, "str": str}  # custom-op attribute types (IR attrs may be bool, np)
-
-
 
 
 class _Rebuilder:
@@ -153,13 +151,10 @@ class _Rebuilder:
     def emit_fused(self, node: Node) -> None:
         if node.op not in CUSTOM_OPS:
             raise ValueError(f"fused node {node.name}: no torch custom op for {node.op!r}")
-        op, attr_names = CUSTOM_OPS[node.op]
-        types = {a.name: _PY_TYPES.get(str(a.type)) for a in op._schema.arguments}
-        ins = [None if v is None else self.value(v) for v in node.inputs]
-        ins += [None] * (len(types) - len(attr_names) - len(ins))
-        attrs = [types[k](node.attrs[k]) for k in attr_names]
-        call = self.new.call_function(op, (*ins, *attrs))
-        multi = len(op._schema.returns) > 1
+        d = schema(node.op)
+        ins = d.padded([None if v is None else self.value(v) for v in node.inputs])
+        call = self.new.call_function(CUSTOM_OPS[node.op], (*ins, *attr_args(node.op, node.attrs)))
+        multi = len(d.outputs) > 1
         for i, v in enumerate(node.outputs):
             out = self.new.call_function(operator.getitem, (call, i)) if multi else call
             if isinstance(v.origin, fx.Node):

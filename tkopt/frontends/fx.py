@@ -10,6 +10,7 @@ value maps to exactly one fx.Node. `graph.meta` keeps what the backend needs to 
 "fx_module" (the GraphModule imported; for an ExportedProgram its unlifted `module()`, with
 parameters, buffers and lifted constants as get_attr), "fx_slots" (IR node name -> the fx.Node each
 input slot came from, None for scalar constants) and "fx_output_is_ir" (per output leaf).
+Parameters and persistent buffers get no `const` (`_mutable_state`): they may change after compiling.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from tkopt.ir import Graph, Node, Value
@@ -398,7 +399,8 @@ class FxImporter:
         obj = operator.attrgetter(node.target)(self.gm)
         if isinstance(obj, torch.Tensor):
             v = self._tensor_value(node, obj)
-            v.const = _to_numpy(obj)
+            if not _mutable_state(self.gm, node.target, obj):
+                v.const = _to_numpy(obj)
 
     def _output(self, node: fx.Node) -> None:
         leaves: list[fx.Node] = []
@@ -478,6 +480,19 @@ class FxImporter:
         data = np.array(x, dtype=_NP_DTYPES.get(dtype, dtype))
         v = Value(self.graph.fresh_name("scalar"), dtype, (), const=data)
         return v
+
+
+def _mutable_state(gm: fx.GraphModule, target: str, obj: torch.Tensor) -> bool:
+    """Whether a get_attr reads state the user may change after compiling: a parameter (trained, loaded)
+    or a persistent buffer (loaded with the state dict, running statistics). Such values are graph
+    inputs to the passes, never constants to fold or decide on: a folded `1 + weight` would keep the
+    compile-time weight and take no gradient. Non-persistent buffers (masks, rotary frequencies)
+    and lifted constants are derived at construction and stay constants."""
+    if isinstance(obj, nn.Parameter):
+        return True
+    owner_name, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_name) if owner_name else gm
+    return name in owner._buffers and name not in owner._non_persistent_buffers_set
 
 
 def _holds_tensor(x: Any, values: dict[fx.Node, Value]) -> bool:

@@ -173,7 +173,7 @@ def load_model(
     external = [t for t in _all_tensors(proto) if uses_external_data(t)]
     for t in external:
         _check_external_data(t, base, where)
-    from tkopt.backends.onnx_model import register_schemas  # an optimized model has tkopt ops
+    from tkopt.fused_ops.onnx_schema import register_schemas  # an optimized model has tkopt ops
 
     register_schemas()
     in_memory = isinstance(model, onnx.ModelProto)

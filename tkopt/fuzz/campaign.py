@@ -11,10 +11,12 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -99,11 +101,13 @@ class Campaign:
                     o = _timed(self.plan.timeout_s, check, path, mod, runs)
                 except Timeout:
                     o = Outcome(path, "timeout", f"no result within {self.plan.timeout_s} s")
+                except Exception as e:  # noqa: BLE001 - the fuzzer's own bug: counted and shown, the run goes on
+                    o = Outcome(path, "harness", f"{type(e).__name__}: {e}", where=_where(e))
             outcomes.append(o)
             self.totals[path][o.status] += 1
             if o.status == "rejected":
                 self.rejections[_reason(o.detail)] += 1
-            if o.failed or o.status == "timeout":
+            if o.failed or o.status in ("timeout", "harness"):
                 # the same kind of failure on another path of this graph is most likely the same defect
                 again = any(p.signature()[:2] == o.signature()[:2] for p in outcomes[:-1])
                 f = self._failure(seed, spec, o, work, minimize=not again)
@@ -165,10 +169,16 @@ class Campaign:
         }
 
 
+def _where(e: BaseException) -> str:
+    f = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{Path(f.filename).name}:{f.lineno} {f.name}"
+
+
 def _reason(detail: str) -> str:
-    """A rejection's reason without its specifics (sizes, names), for counting."""
-    head = detail.split(":")[0:2]
-    return ":".join(head)[:120]
+    """A rejection's reason without its specifics (names, numbers, ORT's error prefix), for counting."""
+    text = re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", "", detail)
+    text = re.sub(r"'[^']*'|\d+(\.\d+)?(e-?\d+)?", "_", text)
+    return text[:160]
 
 
 class Timeout(BaseException):

@@ -43,7 +43,7 @@ EXPORT_TOLERANCE = (1e-4, 1e-3)
 @dataclass
 class Outcome:
     path: str
-    status: str  # "ok" | "wrong" | "crash" | "rejected"
+    status: str  # "ok" | "wrong" | "crash" | "rejected"; a campaign adds "timeout" and "harness" (its own bug)
     detail: str = ""  # the error's first line, or what differed
     where: str = ""  # crash: the innermost tkopt frame (file:line function)
     error: str = ""  # crash: the exception type
@@ -225,7 +225,7 @@ def _check_fx(path: str, mod: ModuleType, runs: dict) -> Outcome:
     model = mod.make_model()
     with torch.no_grad():
         try:
-            compiled = tkopt.compile(model, runs[shapes[0]][0])
+            compiled = tkopt.compile(model, runs[shapes[0]][0], select="all")  # every fusion, measured faster or not
         except Exception as e:  # noqa: BLE001
             return _with_shapes(classify(path, e, shapes[0]), shapes)
         fused = dict(compiled.tkopt_report.fusions)
@@ -250,7 +250,7 @@ def _check_onnx(path: str, mod: ModuleType, runs: dict) -> Outcome:
     import onnx
 
     from tkopt.api import optimize_onnx
-    from tkopt.models.export import export_onnx
+    from tkopt.models.export import export_onnx, input_names
     from tkopt.onnx_runtime_ref import run_model
 
     dynamo = path.startswith("onnx-dynamo")
@@ -266,8 +266,9 @@ def _check_onnx(path: str, mod: ModuleType, runs: dict) -> Outcome:
             return Outcome(path, "rejected", f"exporter: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                            shapes=shapes)
         original = onnx.load(str(src))
-        names = [i.name for i in original.graph.input]
-        feeds = {s: dict(zip(names, (t.numpy() for t in runs[s][0]), strict=True)) for s in shapes}
+        names = set(i.name for i in original.graph.input)  # an input the graph never reads is not exported
+        params = input_names(mod.make_model(), runs[shapes[0]][0])
+        feeds = {s: {n: t.numpy() for n, t in zip(params, runs[s][0], strict=True) if n in names} for s in shapes}
         unfused = {}
         for s in shapes:
             try:
@@ -280,7 +281,7 @@ def _check_onnx(path: str, mod: ModuleType, runs: dict) -> Outcome:
                 return Outcome(path, "rejected", f"the unfused export differs from eager: {diff}", shape=s,
                                shapes=shapes)
         try:
-            optimized, report = optimize_onnx(src, Path(d) / "out.onnx", report=False, target=target)
+            optimized, report = optimize_onnx(src, Path(d) / "out.onnx", report=False, target=target, select="all")
         except Exception as e:  # noqa: BLE001
             return _with_shapes(classify(path, e, shapes[0]), shapes)
         provider = "ort" if report.library else "hybrid"

@@ -17,6 +17,7 @@ from .spec import Block, GraphSpec
 
 FILLS = {"-inf": 'float("-inf")', "-1e4": "-1e4", "min": "torch.finfo(h.dtype).min", "-1e9": "-1e9"}
 SCALES = {"explicit": 0.3, "tiny": 1e-3}
+LATENTS = 4  # how many learned latents cross-attention reads
 
 
 class InvalidSpec(ValueError):
@@ -162,6 +163,8 @@ def block_add_norm(src: Source, p: str, o: dict) -> None:
 def _keep_mask(src: Source, p: str, o: dict, form: str) -> str | None:
     """Lines building the boolean keep-mask (True = attend) the block uses; its variable, or None."""
     s = src.spec
+    if o["kv"] == "latents":  # every query sees every latent: the masks here are over the sequence
+        return None
     mask, keep = o["mask"], None
     if mask == "causal_flag" and (form == "decomposed" or o["padding"]):
         mask = "causal_tril"  # SDPA's is_causal cannot be combined with an attn_mask
@@ -212,21 +215,28 @@ def block_attention(src: Source, p: str, o: dict) -> None:
     if o["sizes"] == "input":
         src.fwd.append(f"B, S, _ = {x}.shape")
     bias = o["bias"]
-    if o["qkv"] == "packed":
+    latents = o["kv"] == "latents"
+    kv_x, kv_b, kv_s = x, "B", "S"
+    if latents:  # cross-attention to learned latents: K/V of batch 1 broadcast against the queries' batch
+        kv_x, kv_b, kv_s = src.param(f"{p}_latents", f"1, {LATENTS}, {d}", 1.0), "1", str(LATENTS)
+    if o["qkv"] == "packed" and not latents:
         src.fwd.append(f"q, k, v = {linear(src, f'{p}_qkv', x, d, d + 2 * kvd, 'module', bias)}"
                        f".split([{d}, {kvd}, {kvd}], dim=-1)")
     else:
-        for name, width in (("q", d), ("k", kvd), ("v", kvd)):
-            src.fwd.append(f"{name} = {linear(src, f'{p}_{name}', x, d, width, 'module', bias)}")
+        for name, width, inp in (("q", d, x), ("k", kvd, kv_x), ("v", kvd, kv_x)):
+            src.fwd.append(f"{name} = {linear(src, f'{p}_{name}', inp, d, width, 'module', bias)}")
     if o["sizes"] == "projection":
         src.fwd.append("B, S, _ = q.shape")
-    lead = "B, S" if o["sizes"] != "heads" else "*{}.shape[:-1]"
     for name, nh in (("q", heads), ("k", kvh), ("v", kvh)):
-        bs = lead.format(name)
+        if o["sizes"] == "heads":
+            bs, first = f"*{name}.shape[:-1]", f"{name}.shape[0]"
+        else:
+            bs = "B, S" if name == "q" else f"{kv_b}, {kv_s}"
+            first = bs.split(", ")[0]
         src.fwd.append(f"{name} = " + {
             "view_transpose": f"{name}.view({bs}, {nh}, {hd}).transpose(1, 2)",
             "view_permute": f"{name}.view({bs}, {nh}, {hd}).permute(0, 2, 1, 3)",
-            "reshape_transpose": f"{name}.reshape({bs.replace(', S', ', -1')}, {nh}, {hd}).transpose(1, 2)",
+            "reshape_transpose": f"{name}.reshape({first}, -1, {nh}, {hd}).transpose(1, 2)",
             "contiguous": f"{name}.view({bs}, {nh}, {hd}).transpose(1, 2).contiguous()",
         }[o["layout"]])
     if o["sizes"] == "heads":  # read off the split heads: an intermediate the attention fusion absorbs
@@ -238,14 +248,15 @@ def block_attention(src: Source, p: str, o: dict) -> None:
         for name in ("k", "v"):
             src.fwd.append(f"{name} = " + (
                 f"{name}.repeat_interleave({rep}, dim=1)" if o["gqa"] != "expand_reshape"
-                else f"{name}[:, :, None, :, :].expand(B, {kvh}, {rep}, S, {hd}).reshape(B, {heads}, S, {hd})"))
+                else f"{name}[:, :, None, :, :].expand({kv_b}, {kvh}, {rep}, {kv_s}, {hd})"
+                     f".reshape({kv_b}, {heads}, {kv_s}, {hd})"))
     scale = SCALES.get(o["scale"])
     keep = _keep_mask(src, p, o, form)
     if form == "sdpa":
         kwargs = []
         if keep is not None:
             kwargs.append(f"attn_mask={keep if o['apply'] == 'bool' else _bias(src, p, keep, o)}")
-        if o["mask"] == "causal_flag" and keep is None:
+        if o["mask"] == "causal_flag" and keep is None and not latents:
             kwargs.append("is_causal=True")
         if scale is not None:
             kwargs.append(f"scale={scale!r}")
@@ -327,9 +338,21 @@ def block_reuse(src: Source, p: str, o: dict) -> None:
         src.fwd.append(f"h = h + {a} + {a} * 0.5")
 
 
+def block_integer(src: Source, p: str, o: dict) -> None:
+    d = src.spec.hidden
+    src.init.append(f'self.register_buffer("{p}_w", torch.randint(-3, 4, ({d}, {d})))')
+    src.fwd.append(f"{p}_i = (h * 4).round().long() @ self.{p}_w")
+    if o["bias"]:
+        src.init.append(f'self.register_buffer("{p}_b", torch.randint(-3, 4, ({d},)))')
+        src.fwd.append(f"{p}_i = {p}_i + self.{p}_b")
+    if o["act"] == "relu":
+        src.fwd.append(f"{p}_i = torch.relu({p}_i)")
+    src.fwd.append(f"h = h + {p}_i.to(h.dtype) * 0.01")
+
+
 BLOCKS = {"linear": block_linear, "mlp": block_mlp, "gated_mlp": block_gated_mlp, "norm": block_norm,
           "add_norm": block_add_norm, "attention": block_attention, "shape_read": block_shape_read,
-          "reuse": block_reuse}
+          "reuse": block_reuse, "integer": block_integer}
 
 
 # ---- the whole module ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
     "attention": {
         "form": ["sdpa", "decomposed"],
         "qkv": ["separate", "packed"],
+        "kv": ["self", "latents"],  # keys and values from the hidden state, or from learned latents of batch 1
         "layout": ["view_transpose", "view_permute", "reshape_transpose", "contiguous"],
         "merge": ["transpose_reshape", "contiguous_view", "permute_flatten"],
         "sizes": ["input", "projection", "heads"],  # what B and S are read off
@@ -51,9 +52,10 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
                             "view_sizes", "dim_branch", "view_as_intermediate", "numel_of_intermediate"],
                    "act": ACTIVATIONS},
     "reuse": {"kind": ["act_plus", "times_sigmoid", "side_output", "double_residual"], "act": ACTIVATIONS},
+    "integer": {"act": ["relu", "none"], "bias": [False, True]},  # an int64 matmul (a quantized layer's core)
 }
 WEIGHTS = {"linear": 3, "mlp": 3, "gated_mlp": 2, "norm": 2, "add_norm": 2, "attention": 6, "shape_read": 2,
-           "reuse": 2}
+           "reuse": 2, "integer": 1}
 DTYPES = ["float32", "float64"]
 
 
@@ -76,7 +78,7 @@ class GraphSpec:
     kv_heads: int
     ffn: int
     max_seq: int  # length of mask buffers sliced to the sequence; every size tried stays below it
-    window: int  # band masks' width
+    window: int  # band masks' width (8 or 16: a band that looks causal at the smaller sizes tried)
     blocks: list[Block] = field(default_factory=list)
     masked_row: bool = False  # the padding mask input leaves the last batch entry with no key at all
 
@@ -104,7 +106,9 @@ class GraphSpec:
 
     @property
     def has_padding(self) -> bool:
-        return any(b.kind == "attention" and (b.opts["padding"] or b.opts["mask"] == "padding") for b in self.blocks)
+        """Whether a block reads the padding mask input (cross-attention to latents has no keys to pad)."""
+        return any(b.kind == "attention" and b.opts["kv"] == "self"
+                   and (b.opts["padding"] or b.opts["mask"] == "padding") for b in self.blocks)
 
 
 def generate(seed: int, max_blocks: int = 4) -> GraphSpec:
@@ -118,7 +122,7 @@ def generate(seed: int, max_blocks: int = 4) -> GraphSpec:
     spec = GraphSpec(
         seed=seed, dtype=rng.choice(DTYPES), batch=rng.choice([1, 2, 2, 3]), seq=seq, head_dim=head_dim,
         heads=heads, kv_heads=kv_heads, ffn=rng.choice([hidden, 2 * hidden + 1, 3, 4 * hidden]),
-        max_seq=2 * seq + 8, window=rng.choice([1, 2, 3]), masked_row=rng.random() < 0.3,
+        max_seq=2 * seq + 8, window=rng.choice([1, 2, 3, 8, 16]), masked_row=rng.random() < 0.3,
     )
     kinds = list(WEIGHTS)
     for _ in range(rng.randint(1, max_blocks)):

@@ -25,10 +25,6 @@ class HeadersError(RuntimeError):
     """The ORT headers could not be found or fetched; the message says how to provide them."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("TKOPT_CACHE_DIR") or Path.home() / ".cache" / "tkopt")
-
-
 def api_version(include_dir: Path) -> int:
     """ORT_API_VERSION the headers declare (a library built with them needs a runtime at least that new)."""
     text = (include_dir / "onnxruntime_c_api.h").read_text()
@@ -50,7 +46,9 @@ def include_dir(fetch: bool = True) -> Path:
         if not _complete(d):
             raise HeadersError(f"TKOPT_ORT_INCLUDE={named} lacks one of {', '.join(REQUIRED)}")
         return d
-    d = cache_root() / "ort-include" / NPM_PACKAGE.replace("@", "-")
+    from tkopt.cache import cache_path
+
+    d = cache_path("ort-include", NPM_PACKAGE.replace("@", "-"))
     if _complete(d):
         return d
     if not fetch:

@@ -1,32 +1,26 @@
-"""Build the op library a fused ONNX model needs, for one target, and leave unfused what no kernel serves."""
+"""The kernels of one graph's fused nodes for one ORT target, and op libraries linked from them.
+
+`KernelLibrary.prepare(nodes)` finds each node's program (its op's `program`, tkopt.fused_ops), lowers
+each distinct program once (nodes with the same signature share one kernel) and compiles its object;
+a node that no program serves, or whose kernel fails to lower or compile, is returned with the reason
+so the pipeline leaves it unfused. `link(nodes, path)` then links a library for any subset of the
+prepared nodes: the candidates while measuring, the kept ones at the end. Lowered kernels and objects
+are cached on disk (tkopt.cache), so a warm build only lowers and compiles what is new; the C/CUDA
+compilers run in parallel.
+"""
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict
 from pathlib import Path
 
-from tkopt.fused_ops import schema
-from tkopt.ir import Graph, Node
-from tkopt.passes.base import unfuse
-from tkopt.passes.finalize import seal
+from tkopt.fused_ops import ProgramSpec, Unservable, schema
+from tkopt.ir import Node
 
-from .bindings import Unservable, program_spec
-from .native import KernelSource, NodeBinding, compile_library, lower_program
+from .native import KernelSource, LibraryBuildError, NodeBinding, compile_objects, link_library, lower_program
 
-log = logging.getLogger("tkopt")
 TARGETS = ("cpu", "sm80", "sm90")
-
-
-@dataclass
-class LibraryBuild:
-    path: Path
-    target: str
-    kernels: int
-    nodes: int
-    unfused: list[tuple[str, str]] = field(default_factory=list)  # (node name, reason)
-    seconds: float = 0.0
 
 
 def check_target(target: str) -> None:
@@ -39,63 +33,71 @@ def check_target(target: str) -> None:
         raise ValueError(f"--target {target} needs nvcc (the CUDA toolkit) on PATH to build the op library")
 
 
-def fill_static_dims(graph: Graph) -> int:
-    """Measure the dims of fused nodes' inputs that shape inference left unknown.
+def _lowered(spec: ProgramSpec, target: str) -> KernelSource:
+    """The kernel for a program, lowered once per (program key, target, versions) and kept on disk."""
+    from tkopt.cache import cache_path, digest, versions, write_atomic
 
-    Exports with dynamic axes often lose static sizes after computed Reshapes (a head dim of
-    `(batch, seq, 4, ?)`), and a kernel needs them at build time. The original model runs in ORT at
-    two batch/sequence sizes; a dim equal in both runs is static and filled in; one that differs is
-    dynamic and stays unknown. The generated C++ checks every static dim again at run time.
-    Returns how many dims were filled.
-    """
-    import tempfile
-
-    from tkopt.api import make_inputs
-    from tkopt.bench_nodes import capture_onnx
-
-    model = graph.meta.get("onnx_model")
-    values = {id(v): v for n in graph.nodes if n.is_fused for v in n.inputs
-              if v is not None and v.const is None and v.shape is not None and None in v.shape}
-    if model is None or not values:
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = [capture_onnx(model, list(values.values()), make_inputs(model, sizes=sizes), ["CPUExecutionProvider"],
-                             Path(tmp)) for sizes in ((2, 8), (3, 13))]
-    filled = 0
-    for v in values.values():
-        if v.name not in runs[0] or v.name not in runs[1]:
-            continue
-        a, b = runs[0][v.name].shape, runs[1][v.name].shape
-        if len(a) != len(v.shape) or len(b) != len(v.shape):
-            continue
-        dims = list(v.shape)
-        for i, d in enumerate(dims):
-            if d is None and a[i] == b[i]:
-                dims[i] = int(a[i])
-                filled += 1
-        v.shape = tuple(dims)
-    return filled
+    name = digest(repr(spec.key), target, versions())
+    path = cache_path("ort-kernels", f"{name}.json")
+    try:
+        return KernelSource(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    kernel = lower_program(spec.build(), target, f"tk_{name[:16]}")
+    write_atomic(path, json.dumps(asdict(kernel)).encode())
+    return kernel
 
 
-def prepare(graph: Graph, target: str) -> tuple[list[NodeBinding], list[KernelSource], list[tuple[str, str]]]:
-    """Lower a kernel for every fused node; a node no kernel serves is unfused in `graph`, with a warning."""
-    kernels: dict[tuple, KernelSource] = {}
-    bindings: list[NodeBinding] = []
-    unfused: list[tuple[str, str]] = []
-    for node in [n for n in graph.nodes if n.is_fused]:
-        try:
-            spec = program_spec(node, target)
-            if spec.key not in kernels:
-                kernels[spec.key] = lower_program(spec.build(), target, f"tk{len(kernels)}")
-        except Exception as e:  # noqa: BLE001 - any kernel failure means: run this node unfused
-            reason = str(e) if isinstance(e, Unservable) else f"kernel failed to build: {type(e).__name__}: {e}"
-            log.warning("tkopt: leaving %s (%s) unfused for %s: %s", node.name, node.op, target, reason)
-            unfuse(graph, node)
-            unfused.append((node.name, reason))
-            continue
-        bindings.append(NodeBinding(node.name, node.op, node.inputs[0].dtype, kernels[spec.key], spec.buffers,
-                                    spec.out_shapes, n_inputs=len(schema(node.op).inputs)))
-    return bindings, list(kernels.values()), unfused
+class KernelLibrary:
+    """Programs, kernels and objects for fused nodes on one target (see the module docstring)."""
+
+    def __init__(self, target: str) -> None:
+        check_target(target)
+        self.target = target
+        self.specs: dict[str, ProgramSpec] = {}  # node name -> its program
+        self.kernels: dict[tuple, KernelSource] = {}  # program key -> lowered kernel
+        self.objects: dict[tuple, Path] = {}  # program key -> compiled object
+
+    def prepare(self, nodes: list[Node]) -> dict[str, str]:
+        """Lower and compile the kernels of `nodes`; {node name: why it has no kernel} for those that fail."""
+        failed: dict[str, str] = {}
+        for node in nodes:
+            try:
+                self.specs[node.name] = schema(node.op).program(node, self.target)
+            except Unservable as e:
+                failed[node.name] = str(e)
+        todo = {spec.key: spec for name, spec in self.specs.items() if name not in failed
+                and spec.key not in self.objects}
+        errors: dict[tuple, str] = {}
+        for key, spec in todo.items():  # one at a time: lowering in threads measured slower here (the GIL)
+            try:
+                self.kernels[key] = _lowered(spec, self.target)
+            except Exception as e:  # noqa: BLE001 - any lowering failure: this kernel is unusable
+                errors[key] = f"kernel failed to lower: {type(e).__name__}: {e}"
+        lowered = [k for k in todo if k in self.kernels]
+        built = compile_objects([self.kernels[k] for k in lowered], self.target)
+        for key in lowered:
+            obj = built[self.kernels[key].symbol]
+            if isinstance(obj, LibraryBuildError):
+                errors[key] = str(obj)
+            else:
+                self.objects[key] = obj
+        for node in nodes:
+            spec = self.specs.get(node.name)
+            if spec is not None and spec.key in errors:
+                failed[node.name] = errors[spec.key]
+        return failed
+
+    def link(self, nodes: list[Node], path: Path) -> Path:
+        """A library serving `nodes` (all prepared without failure), written atomically to `path`."""
+        keys = list(dict.fromkeys(self.specs[n.name].key for n in nodes))
+        bindings = [
+            NodeBinding(n.name, n.op, n.inputs[0].dtype, self.kernels[self.specs[n.name].key],
+                        self.specs[n.name].buffers, self.specs[n.name].out_shapes, n_inputs=len(schema(n.op).inputs))
+            for n in nodes
+        ]
+        return link_library(bindings, [self.kernels[k] for k in keys], [self.objects[k] for k in keys], self.target,
+                            op_signatures(nodes), Path(path))
 
 
 def op_signatures(nodes: list[Node]) -> dict[tuple[str, str], tuple[list[bool], list[bool]]]:
@@ -107,19 +109,3 @@ def op_signatures(nodes: list[Node]) -> dict[tuple[str, str], tuple[list[bool], 
             [name in s.optional_outputs for name in s.outputs],
         )
     return sigs
-
-
-def build_library(graph: Graph, target: str, path: Path) -> LibraryBuild:
-    """Lower, bind and compile the kernels of every fused node in `graph` into the library at `path`.
-
-    Mutates `graph`: nodes without a kernel are put back unfused, so the model written from it runs.
-    """
-    check_target(target)
-    t0 = time.perf_counter()
-    fill_static_dims(graph)
-    bindings, kernels, unfused = prepare(graph, target)
-    seal(graph)
-    fused = [n for n in graph.nodes if n.is_fused]
-    if bindings:
-        compile_library(bindings, kernels, target, op_signatures(fused), Path(path))
-    return LibraryBuild(Path(path), target, len(kernels), len(bindings), unfused, time.perf_counter() - t0)

@@ -9,6 +9,8 @@ that registers the ops with ORT. No Python runs per op: the session calls straig
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import os
 import re
 import shutil
@@ -20,7 +22,6 @@ from pathlib import Path
 from . import headers
 
 CSRC = Path(__file__).with_name("csrc")
-TARGET_ARCH = {"cpu": "cpu", "sm80": "sm80", "sm90": "sm90"}
 # sm80 also embeds compute_80 PTX: sm_80 machine code does not load on Hopper, and the brief runs the
 # Ampere variant on an H200 too (the driver JIT-compiles the PTX there).
 _GENCODE = {"sm80": "arch=compute_80,code=[sm_80,compute_80]", "sm90": "arch=compute_90a,code=sm_90a"}
@@ -85,20 +86,25 @@ def _signature(func) -> tuple[list[tuple[str, str]], dict[str, list[int | str]]]
     for p in func.params:
         buf = func.buffer_map.get(p)
         if buf is None:
-            params.append((p.name, "var"))
+            params.append((_text(p.name), "var"))
             continue
         dims: list[int | str] = []
         for d in buf.shape:
             if hasattr(d, "value"):
                 dims.append(int(d.value))
             else:
-                dims.append(str(d))
-                if str(d) not in seen_vars:
-                    seen_vars.append(str(d))
-        shapes[buf.name] = dims
-        params.append((buf.name, "buffer"))
+                dims.append(_text(d))
+                if _text(d) not in seen_vars:
+                    seen_vars.append(_text(d))
+        shapes[_text(buf.name)] = dims
+        params.append((_text(buf.name), "buffer"))
     params += [(v, "var") for v in seen_vars]
     return params, shapes
+
+
+def _text(x: object) -> str:
+    """A plain str of a TVM name: TVM's own String (a str subclass) crashes when copied (deepcopy, asdict)."""
+    return "".join(str(x))
 
 
 @dataclass
@@ -224,49 +230,93 @@ def _cbool(b: bool) -> str:
     return "true" if b else "false"
 
 
-def compile_library(bindings: list[NodeBinding], kernels: list[KernelSource], target: str,
-                    op_signatures: dict[tuple[str, str], tuple[list[bool], list[bool]]], out_path: Path,
-                    keep_sources: Path | None = None) -> Path:
-    """Compile everything into `out_path` atomically; LibraryBuildError carries the compiler output."""
+def _compile_command(target: str) -> list[str]:
+    """The compiler and the flags every source of a `target` library is compiled with."""
     import tilelang.env as tl_env
 
-    inc = headers.include_dir()
+    includes = [f"-I{CSRC}", f"-I{tl_env.TILELANG_TEMPLATE_PATH}"]
+    if target == "cpu":
+        return [os.environ.get("CXX", "g++"), "-std=c++17", "-O3", "-fPIC", "-w", *includes]
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return [nvcc, "-std=c++20", "-O3", "-w", "-Xcudafe", "--diag_suppress=177", "--compiler-options", "-fPIC",
+            "-gencode", _GENCODE[target], *includes, f"-I{tl_env.CUTLASS_INCLUDE_DIR}"]
+
+
+@functools.cache
+def _compiler_id(compiler: str) -> str:
+    proc = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    return proc.stdout.strip()
+
+
+def _run(cmd: list[str], target: str, what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LibraryBuildError(f"building the tkopt op library for {target} failed: {what} ({cmd[0]} exit "
+                                f"{proc.returncode}):\n" + (proc.stderr or proc.stdout)[-8000:])
+
+
+def compile_object(kernel: KernelSource, target: str) -> Path:
+    """One kernel's object file, compiled once per (source, compiler, flags) and kept in the tkopt cache,
+    so the next library with this kernel, in any process, only links it."""
+    from tkopt.cache import cache_path, digest, versions, write_atomic
+
+    cmd = _compile_command(target)
+    obj = cache_path("ort-kernels", f"{digest(kernel.source, cmd[1:], _compiler_id(cmd[0]), versions())}.o")
+    if obj.is_file():
+        return obj
+    ext = ".cc" if target == "cpu" else ".cu"
+    with tempfile.TemporaryDirectory(prefix="tkopt-obj-") as tmp:
+        src, out = Path(tmp) / f"{kernel.symbol}{ext}", Path(tmp) / f"{kernel.symbol}.o"
+        src.write_text(kernel.source)
+        _run([*cmd, "-c", str(src), "-o", str(out)], target, f"kernel {kernel.symbol}")
+        write_atomic(obj, out.read_bytes())
+    return obj
+
+
+def compile_objects(kernels: list[KernelSource], target: str) -> dict[str, Path | LibraryBuildError]:
+    """compile_object for every kernel, in parallel (compilers are subprocesses); symbol -> object, or the
+    error that kernel's compile raised."""
+    def one(k: KernelSource) -> Path | LibraryBuildError:
+        try:
+            return compile_object(k, target)
+        except LibraryBuildError as e:
+            return e
+
+    workers = max(1, min(len(kernels), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers, "tkopt-cc") as pool:
+        return dict(zip((k.symbol for k in kernels), pool.map(one, kernels), strict=True))
+
+
+def link_library(bindings: list[NodeBinding], kernels: list[KernelSource], objects: list[Path], target: str,
+                 op_signatures: dict[tuple[str, str], tuple[list[bool], list[bool]]], out_path: Path) -> Path:
+    """The library for `bindings`: its generated main source compiled and linked with the kernels'
+    objects into `out_path`, atomically; LibraryBuildError carries the compiler output. Libraries are
+    cached on disk by what they are built from (compiling ORT's C++ API header takes seconds)."""
+    from tkopt.cache import cache_path, digest, write_atomic
+
     out_path = Path(out_path)
-    with tempfile.TemporaryDirectory(prefix="tkopt-lib-") as tmp:
-        work = Path(tmp)
-        ext = ".cc" if target == "cpu" else ".cu"
-        srcs = []
-        for k in kernels:
-            p = work / f"{k.symbol}{ext}"
-            p.write_text(k.source)
-            srcs.append(p)
-        main = work / f"tkopt_ops{ext}"
-        main.write_text(generate_main_source(bindings, kernels, target, op_signatures))
-        srcs.append(main)
-        if keep_sources is not None:
-            keep_sources.mkdir(parents=True, exist_ok=True)
-            for p in srcs:
-                shutil.copy(p, keep_sources / p.name)
-        tmp_out = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-        includes = [f"-I{CSRC}", f"-I{inc}", f"-I{tl_env.TILELANG_TEMPLATE_PATH}"]
-        if target == "cpu":
-            cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O3", "-fPIC", "-shared", "-w",
-                   *includes, *map(str, srcs), "-o", str(tmp_out)]
-        else:
-            nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-            # TileLang 0.1.15's tl_templates/cuda/debug.h defines non-inline functions (debug_print_msg, a
-            # full template specialization) in a header, so two kernels' objects both define them: let the
-            # linker keep one of the identical copies.
-            cmd = [nvcc, "-std=c++20", "-O3", "-w", "-Xcudafe", "--diag_suppress=177", "--shared",
-                   "-Xlinker", "--allow-multiple-definition",
-                   "--compiler-options", "-fPIC", "-gencode", _GENCODE[target], *includes,
-                   f"-I{tl_env.CUTLASS_INCLUDE_DIR}", *map(str, srcs), "-o", str(tmp_out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tmp_out.unlink(missing_ok=True)
-            raise LibraryBuildError(
-                f"building the tkopt op library for {target} failed ({cmd[0]} exit {proc.returncode}):\n"
-                + (proc.stderr or proc.stdout)[-8000:]
-            )
-        os.replace(tmp_out, out_path)
+    cmd = _compile_command(target)
+    link = ["-shared"] if target == "cpu" else ["--shared", "-Xlinker", "--allow-multiple-definition"]
+    include = headers.include_dir()
+    source = generate_main_source(bindings, kernels, target, op_signatures)
+    key = digest(source, [o.name for o in objects], cmd[1:], link, str(include), _compiler_id(cmd[0]))
+    cached = cache_path("ort-kernels", f"{key}.so")
+    if not cached.is_file():
+        with tempfile.TemporaryDirectory(prefix="tkopt-lib-") as tmp:
+            main = Path(tmp) / ("tkopt_ops.cc" if target == "cpu" else "tkopt_ops.cu")
+            main.write_text(source)
+            built = Path(tmp) / "lib.so"
+            _run([*cmd, *link, f"-I{include}", str(main), *map(str, objects), "-o", str(built)], target, "linking")
+            write_atomic(cached, built.read_bytes())
+    write_atomic(out_path, cached.read_bytes())
     return out_path
+
+
+def compile_library(bindings: list[NodeBinding], kernels: list[KernelSource], target: str,
+                    op_signatures: dict[tuple[str, str], tuple[list[bool], list[bool]]], out_path: Path) -> Path:
+    """Compile the kernels (in parallel, cached) and link them with the bindings into `out_path`."""
+    objects = compile_objects(kernels, target)
+    for obj in objects.values():
+        if isinstance(obj, LibraryBuildError):
+            raise obj
+    return link_library(bindings, kernels, list(objects.values()), target, op_signatures, out_path)

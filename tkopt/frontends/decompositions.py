@@ -1,17 +1,23 @@
-"""torch's fused inference fast paths written as the aten ops they compute, so the fusions see them.
+"""Decompositions tkopt traces Dynamo's graphs with, so the fusions see the ops they stand for.
 
-In eval mode without autograd, nn.TransformerEncoderLayer and nn.MultiheadAttention call
-aten._transformer_encoder_layer_fwd / aten._native_multi_head_attention: one opaque op per layer,
-which Dynamo (and torch.export, for modules whose parameters need no grad) records as is and no
-pass can fuse. These decompositions restate them op by op (projections, attention, residual adds,
-LayerNorms, the feed-forward), reproducing what the native CPU/CUDA kernels compute:
+torch's fused inference fast paths: in eval mode without autograd, nn.TransformerEncoderLayer and
+nn.MultiheadAttention call aten._transformer_encoder_layer_fwd / aten._native_multi_head_attention,
+one opaque op per layer, which Dynamo (and torch.export, for modules whose parameters need no grad)
+records as is and no pass can fuse. These decompositions restate them op by op (projections,
+attention, residual adds, LayerNorms, the feed-forward), reproducing what the native CPU/CUDA
+kernels compute:
 - q is scaled by 1/sqrt(head_dim) before Q K^T;
 - the mask (bool, or float as nn.MultiheadAttention passes it after canonicalizing a bool mask) is
   read as "nonzero = masked out"; masked scores are -inf before a plain softmax, so a fully masked
   row gives NaN, as the native kernel does;
 - mask_type: 0 a (L, S) mask, 1 a (B, S) key-padding mask, 2 a mask broadcastable to (B, H, L, S).
 Without a mask and without returned weights the attention is SDPA; its default scale is the same.
-`FAST_PATH_DECOMPOSITIONS` feeds AOTAutograd's `decompositions` and ExportedProgram.run_decompositions.
+
+aten._safe_softmax (SDPA's math path, taken in training when a float mask needs a gradient, as T5's
+position bias does): softmax with rows of all -inf giving 0, written with the row guard the
+attention pass knows (FusedAttention defines fully masked rows as 0 too).
+
+`TRACE_DECOMPOSITIONS` feeds make_fx when the torch.compile backend traces Dynamo's graph.
 """
 
 from __future__ import annotations
@@ -98,7 +104,16 @@ def transformer_encoder_layer_fwd(
     return norm2(x + ffn(x))
 
 
-FAST_PATH_DECOMPOSITIONS: dict[Any, Any] = {
+def safe_softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+    """aten._safe_softmax: softmax, but 0 on rows whose inputs are all -inf (torch's own decomposition,
+    all(x == -inf) spelled not(any(not(x == -inf))))."""
+    p = torch.softmax(x, dim, dtype=dtype)
+    masked_rows = torch.logical_not(torch.any(torch.logical_not(x == float("-inf")), dim, keepdim=True))
+    return torch.where(masked_rows, torch.full_like(p, 0), p)
+
+
+TRACE_DECOMPOSITIONS: dict[Any, Any] = {
     aten._native_multi_head_attention.default: native_multi_head_attention,
     aten._transformer_encoder_layer_fwd.default: transformer_encoder_layer_fwd,
+    aten._safe_softmax.default: safe_softmax,
 }

@@ -1,0 +1,71 @@
+"""On the GPU, on the TileLang kernels: torch.compile(backend="tkopt") under no_grad and in training, and a
+transformers decoder compiled by tkopt.compile decoding with its cache fed back (head dim 64, which the
+GPU attention kernels take)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tkopt.backends.dynamo import make_backend
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.fixture(autouse=True)
+def _kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_backend_encoder_layer_on_gpu(training: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(256, 4, 512, dropout=0.0, batch_first=True).cuda().half().train(training)
+    torch._dynamo.reset()
+    backend = make_backend()
+    fast = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 77, 256, device="cuda", dtype=torch.half)
+    with torch.set_grad_enabled(training):
+        got, want = fast(x), model(x)
+    assert _rel(got, want) < 1e-2
+    fusions = backend.graph_modules[-1].tkopt_report.fusions
+    assert fusions["attention"] == 1 and fusions["add_norm"] == 2
+    if training:
+        r = torch.randn_like(want)
+        grads = []
+        for out in (got, want):
+            model.zero_grad()
+            (out.float() * r.float()).sum().backward(retain_graph=True)
+            grads.append(torch.cat([p.grad.float().reshape(-1) for p in model.parameters()]))
+        assert _rel(grads[0], grads[1]) < 2e-2
+
+
+def test_compiled_decoder_decodes_on_gpu() -> None:
+    import tkopt
+
+    pytest.importorskip("transformers")
+    from tkopt.models.hf import tiny_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_model("llama", "AutoModelForCausalLM", hidden_size=256, head_dim=64, intermediate_size=512).cuda()
+        ids = torch.randint(1, 128, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        fast = tkopt.compile(model, (ids,))
+        outs = []
+        for fn in (model, fast):
+            with torch.no_grad():
+                out, tokens = fn(ids), []
+                for _ in range(3):
+                    tokens.append(out.logits[:, -1:].argmax(-1))
+                    out = fn(tokens[-1], past_key_values=out.past_key_values)
+            outs.append((torch.cat(tokens, 1), out.logits))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert _rel(outs[1][1], outs[0][1]) < 1e-3
+    assert fast.tkopt_report.fusions["attention"] == 2

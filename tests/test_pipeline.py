@@ -1,0 +1,204 @@
+"""The one pipeline: measured selection on the CPU against what the target would otherwise run (ORT's own
+kernels, eager ATen), its decisions cached and reused, and the one report every entry point returns."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+import torch
+
+import tkopt
+from tkopt.ir import Node
+from tkopt.measure import Timing
+from tkopt.models.blocks import REFERENCE_MODELS
+from tkopt.models.export import export_onnx
+from tkopt.pipeline import MARGIN, _apply, _entry, _wins, resolve_select
+from tkopt.report import NodeDecision
+from tkopt.targets import Measured
+from tkopt.targets.ort_target import OrtTarget
+from tkopt.targets.torch_target import TorchTarget
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh decision cache for the test; ORT's headers, lowered kernels and compiled objects stay shared
+    (fetching and compiling them again would only cost time)."""
+    from tkopt.cache import cache_path
+    from tkopt.ort.headers import include_dir
+
+    include_dir()
+    (tmp_path / "cache").mkdir()
+    for shared in ("ort-kernels", "ort-include"):
+        cache_path(shared).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / shared).symlink_to(cache_path(shared))
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _refuse_to_measure(monkeypatch, target_class) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although every decision was cached")
+
+    monkeypatch.setattr(target_class, "measure", refuse)
+    monkeypatch.setattr(target_class, "compare_whole", refuse)
+
+
+def _check_measured(report, alternatives: set[str]) -> None:
+    assert report.select == "measured" and report.nodes
+    for d in report.nodes:
+        assert d.decision in ("kept", "slower") and not d.cached, d
+        assert d.fused_ms > 0 and d.unfused_ms > 0
+        assert (d.decision == "kept") == (d.unfused_ms >= MARGIN * d.fused_ms), d
+    w = report.whole_graph
+    assert w is not None and not w.cached and set(w.times_ms) == {"tkopt", *alternatives}
+    assert w.winner == "tkopt" or w.times_ms[w.winner] < w.times_ms["tkopt"] * 1.02
+
+
+def test_ort_cpu_measures_against_ort_and_reuses_the_decisions(cache_dir, tmp_path, monkeypatch) -> None:
+    """Each fused node is timed on the CPU op library against ORT running what it replaced; the second
+    optimization of the same model reads every decision from the cache and measures nothing."""
+    model, inputs = REFERENCE_MODELS["mlp"]()
+    path = export_onnx(model, inputs, tmp_path / "mlp.onnx", dynamo=False)
+    _, first = tkopt.optimize_onnx(path, tmp_path / "a.onnx", report=False, target="cpu", check_accuracy=True)
+    assert first.target == "ort-cpu" and first.accuracy.ok
+    _check_measured(first, {"ort"})
+    saved = onnx.load(str(tmp_path / "a.onnx"))
+    if first.whole_graph.winner == "ort":  # the user's model, unchanged, is what was faster
+        assert not any(n.domain == "tkopt" for n in saved.graph.node) and first.total_fused == 0
+        assert first.library is None
+    else:
+        assert sum(n.domain == "tkopt" for n in saved.graph.node) == first.total_fused
+    assert json.loads((cache_dir / "select-ort-cpu.json").read_text())
+
+    _refuse_to_measure(monkeypatch, OrtTarget)
+    _, second = tkopt.optimize_onnx(path, tmp_path / "b.onnx", report=False, target="cpu")
+    assert all(d.cached for d in second.nodes) and second.whole_graph.cached
+    assert [(d.node, d.decision, d.fused_ms) for d in second.nodes] == [
+        (d.node, d.decision, d.fused_ms) for d in first.nodes]
+    assert second.whole_graph.winner == first.whole_graph.winner
+
+
+def test_torch_cpu_measures_against_eager_and_reuses_the_decisions(cache_dir, monkeypatch) -> None:
+    """tkopt.compile on the CPU: fused nodes timed on TileLang's CPU kernels against the replaced ATen ops,
+    the module against eager; a second compile measures nothing, and either way the result matches eager."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS["mlp"]()
+    fast = tkopt.compile(model, inputs)
+    report = fast.tkopt_report
+    assert report.target == "torch-cpu"
+    _check_measured(report, {"eager"})
+    spec = fast.specializations[-1]
+    assert spec.graphed == (report.whole_graph.winner == "tkopt")
+    assert report.whole_graph.winner == "tkopt" or spec.run.module is model  # eager: the module itself runs
+
+    _refuse_to_measure(monkeypatch, TorchTarget)
+    again = tkopt.compile(model, inputs)
+    assert all(d.cached for d in again.tkopt_report.nodes) and again.tkopt_report.whole_graph.cached
+    with torch.no_grad():
+        for f in (fast, again):
+            torch.testing.assert_close(f(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def _timing(ms: float) -> Timing:
+    return Timing(ms, ms, ms, 3, 1, "perf_counter", ms)
+
+
+def test_a_fusion_is_kept_only_by_a_clear_margin_at_every_size() -> None:
+    node = Node("FusedGemm", [], [], name="n")
+    d = NodeDecision("n", "FusedGemm", "gemm", 1)
+    near = Measured(node, [(_timing(1.0), _timing(1.05))], ["batch 1, seq 128"])
+    _apply(d, _entry(near), cached=False)
+    assert d.decision == "slower" and d.reason == f"under {MARGIN:.2f}x at batch 1, seq 128"
+    assert (d.fused_ms, d.unfused_ms) == (1.0, 1.05)
+    both = Measured(node, [(_timing(1.0), _timing(1.5)), (_timing(2.0), _timing(2.1))], ["small", "large"])
+    _apply(d, _entry(both), cached=True)
+    assert d.decision == "slower" and d.reason.endswith("at large") and d.cached
+    won = Measured(node, [(_timing(1.0), _timing(1.5)), (_timing(2.0), _timing(2.5))], ["small", "large"])
+    _apply(d, _entry(won), cached=False)
+    assert d.decision == "kept" and d.reason == "" and d.speedup == pytest.approx(1.25)
+    failed = Measured(node, error="RuntimeError: boom")
+    _apply(d, _entry(failed), cached=False)
+    assert d.decision == "kernel_failed" and "boom" in d.reason
+    assert _wins(_timing(1.0), _timing(MARGIN)) and not _wins(_timing(1.0), _timing(MARGIN * 0.99))
+
+
+def test_select_needs_something_to_measure_on(tmp_path) -> None:
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], []))
+    target = OrtTarget(None, model, tmp_path)
+    assert resolve_select(None, target) == "all"
+    with pytest.raises(ValueError, match="select='measured' needs a device to measure on .*torch references"):
+        resolve_select("measured", target)
+    with pytest.raises(ValueError, match="select must be one of measured, all"):
+        resolve_select("fastest", target)
+
+
+def test_report_table_json_and_last_report(monkeypatch) -> None:
+    """print(report) is the CLI's table (not a dataclass repr), to_dict() is JSON, and a torch.compile
+    backend user finds the report through tkopt.last_report()."""
+    monkeypatch.setenv("TKOPT_KERNELS", "reference")
+    model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="tkopt")
+    with torch.no_grad():
+        fast(*inputs)
+    report = tkopt.last_report()
+    assert report is not None and report.target == "torch-cpu" and report.select == "all"
+    assert report.total_fused == len(report.nodes) > 0
+    text = str(report)
+    assert text.startswith("tkopt ") and "Report(" not in text and "fusions" in text and "fused nodes" in text
+    assert f"fused: {report.total_fused} of {len(report.nodes)} candidates" in text
+    d = json.loads(report.to_json())
+    assert d["total_fused"] == report.total_fused and d["candidates"] == report.passes.fusions
+    assert [n["decision"] for n in d["nodes"]] == ["kept"] * len(report.nodes)
+    compiled = tkopt.compile(model, inputs)
+    assert tkopt.last_report() is compiled.tkopt_report
+
+
+def _cuda(t: torch.Tensor) -> torch.Tensor:
+    return t.cuda().half() if t.is_floating_point() else t.cuda()
+
+
+@pytest.mark.gpu
+def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) -> None:
+    """tkopt.compile on CUDA: each fused node against inductor's code for what it replaces, both replayed as
+    CUDA graphs; the module against eager and inductor with CUDA graphs; the winner runs and matches eager."""
+    from tkopt.models import blocks
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    torch.manual_seed(0)
+    model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=256, heads=4, max_seq=128)).eval().cuda().half()
+    inputs = tuple(_cuda(t) for t in model.example_inputs(batch=2, seq=77))
+    fast = tkopt.compile(model, inputs)
+    report = fast.tkopt_report
+    assert report.target == "torch-cuda"
+    _check_measured(report, {"eager", "inductor+cudagraphs"})
+    print(report)
+    with torch.no_grad():
+        want = model(*inputs)
+        assert ((fast(*inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
+    _refuse_to_measure(monkeypatch, TorchTarget)
+    again = tkopt.compile(model, inputs)
+    assert all(d.cached for d in again.tkopt_report.nodes) and again.tkopt_report.whole_graph.cached
+
+
+@pytest.mark.gpu
+def test_cuda_backend_measures_and_reports(cache_dir, monkeypatch) -> None:
+    """torch.compile(backend="tkopt") on CUDA measures too, on stand-ins for Dynamo's fake inputs."""
+    from tkopt.models import blocks
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    torch.manual_seed(0)
+    model = blocks.LlamaBlock(blocks.LlamaBlockConfig(hidden=256, heads=4, kv_heads=2, ffn=512)).eval().cuda().half()
+    inputs = tuple(_cuda(t) for t in model.example_inputs(batch=2, seq=77))
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="tkopt")
+    with torch.no_grad():
+        got = fast(*inputs)
+        want = model(*inputs)
+    report = tkopt.last_report()
+    assert report.target == "torch-cuda"
+    _check_measured(report, {"eager"})
+    print(report)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2

@@ -1,0 +1,90 @@
+"""tkopt's on-disk caches: where they live, what invalidates them, and safe writes.
+
+Everything lives under `cache_dir()` (TKOPT_CACHE_DIR, default ~/.cache/tkopt; the kernels' tuning
+cache is there too): measured-selection decisions (`select-<target>.json`), lowered ORT kernels and
+their compiled objects (`ort-kernels/`), ORT's headers. An entry is only valid for the `versions()`
+it was made with: tkopt's and TileLang's versions and a hash of the kernel and fused-op sources, so
+editing a kernel invalidates what was measured or compiled from it. Writes are atomic (a temporary
+file, then os.replace), and JSON files merge concurrent writers under a file lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from tkopt.kernels.tuning import cache_dir
+
+
+def cache_path(*parts: str) -> Path:
+    return Path(cache_dir(), *parts)
+
+
+@functools.cache
+def versions() -> dict[str, str]:
+    """tkopt's and TileLang's versions, and a hash of the sources that decide what a kernel is."""
+    import tkopt.fused_ops
+    import tkopt.kernels
+
+    h = hashlib.sha256()
+    for pkg in (tkopt.kernels, tkopt.fused_ops):
+        for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
+            h.update(path.name.encode() + path.read_bytes())
+    return {"tkopt": _version("tkopt"), "tilelang": _version("tilelang"), "sources": h.hexdigest()[:16]}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree (the GPU session's shim)
+        return "unknown"
+
+
+def digest(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts (with versions() mixed in by the caller where it matters)."""
+    text = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` all or nothing (a temporary file beside it, then os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class JsonFile:
+    """A JSON object on disk shared by processes: `read()`, and `update(key, value)` merged under a lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def update(self, key: str, value: Any) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{self.path}.lock"):
+            data = self.read()  # what other processes wrote meanwhile
+            data[key] = value
+            write_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())

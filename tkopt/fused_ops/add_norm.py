@@ -1,0 +1,110 @@
+"""FusedAddNorm: Y = Norm(X + residual) over the last axis; Sum = X + residual (emitted when used later).
+
+kind "layer" (LayerNorm: weight and bias optional) or "rms" (RMSNorm: weight optional, no bias).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tkopt.ir import Node, Value
+
+from .base import Broadcast, FusedOp, ProgramSpec, Shape, Tensor, Unservable, check_dtypes, input_dtype, static_dim
+
+
+def _kind(attrs: dict[str, Any]) -> str:
+    if attrs["kind"] not in ("layer", "rms"):
+        raise ValueError(f"FusedAddNorm kind must be 'layer' or 'rms', got {attrs['kind']!r}")
+    return attrs["kind"]
+
+
+def reference(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    from tkopt.kernels import reference as ref
+
+    x, residual, weight, bias = ins
+    if _kind(attrs) == "layer":
+        return list(ref.add_layer_norm_ref(x, residual, weight, bias, attrs["epsilon"]))
+    if bias is not None:
+        raise ValueError("FusedAddNorm kind='rms' takes no bias")
+    return list(ref.add_rms_norm_ref(x, residual, weight, attrs["epsilon"]))
+
+
+def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    from tkopt import kernels
+
+    x, residual, weight, bias = ins
+    if _kind(attrs) == "layer":
+        return list(kernels.add_layer_norm(x, residual, weight, bias, attrs["epsilon"]))
+    return list(kernels.add_rms_norm(x, residual, weight, attrs["epsilon"]))
+
+
+def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
+    """Both outputs have the shape of X + residual."""
+    x, residual = shapes[0], shapes[1]
+    s = x if residual is None or x is None else broadcast(x, residual)
+    return [s, s]
+
+
+def _check_same_shape(node: Node, x: Value, r: Value) -> None:
+    """The kernel adds the residual row by row: refuse a residual that broadcasts against X.
+
+    The add_norm pass fuses a residual only when its shape is provably X's (passes/shapes.py), so this
+    rechecks what the node's declared shapes show: a static dim against another static or a dynamic one.
+    """
+    if x.shape is None or r.shape is None or len(x.shape) != len(r.shape):
+        raise Unservable(f"{node.name}: residual {r.name} rank differs from X's (a broadcasting add)")
+    for i, (a, b) in enumerate(zip(x.shape, r.shape, strict=True)):
+        if (isinstance(a, int) or isinstance(b, int)) and a != b:
+            raise Unservable(f"{node.name}: residual {r.name} axis {i} is {b!r} against X's {a!r} (a broadcasting "
+                             "add; the kernel adds equal shapes)")
+
+
+def program(node: Node, arch: str) -> ProgramSpec:
+    from tkopt.kernels import norm
+
+    dtype = input_dtype(node)
+    check_dtypes(node, dtype, arch, (1,))
+    x, residual, weight, bias = node.inputs
+    n = static_dim(x, -1, "X")
+    if residual is not None:
+        _check_same_shape(node, x, residual)
+    w_dtypes = {v.dtype for v in (weight, bias) if v is not None}
+    if len(w_dtypes) > 1:
+        raise Unservable(f"{node.name}: weight and bias dtypes differ ({sorted(w_dtypes)})")
+    w_dtype = w_dtypes.pop() if w_dtypes else dtype
+    kind, eps = node.attrs["kind"], float(node.attrs["epsilon"])
+    write_sum = len(node.outputs) > 1
+    flags = dict(has_residual=residual is not None, has_weight=weight is not None, has_bias=bias is not None,
+                 write_sum=write_sum, eps=eps)
+    buffers: dict[str, tuple[str, int | str]] = {
+        "X": ("in", 0),
+        "R": ("in", 1) if residual is not None else ("alias", "X"),
+        "W": ("in", 2) if weight is not None else ("alias", "X"),
+        "B": ("in", 3) if bias is not None else ("alias", "X"),
+        "Y": ("out", 0),
+        "S": ("out", 1) if write_sum else ("alias", "Y"),
+    }
+    out_shapes = {0: "s0", 1: "s0"}
+    if arch == "cpu":
+        key = ("norm", arch, kind, n, dtype, w_dtype, tuple(sorted(flags.items())))
+        return ProgramSpec(key, lambda: norm.norm_program_cpu(kind, n, dtype, w_dtype, **flags), buffers, out_shapes)
+    cfg = norm.default_norm_config(n, 4 if dtype == "float32" else 2, arch)
+    key = ("norm", arch, kind, n, dtype, w_dtype, tuple(sorted(flags.items())), tuple(cfg.items()))
+    return ProgramSpec(key, lambda: norm.norm_program_gpu(kind, n, dtype, w_dtype, **flags, **cfg), buffers,
+                       out_shapes)
+
+
+OP = FusedOp(
+    name="FusedAddNorm",
+    torch_name="fused_add_norm",
+    inputs=("X", "residual", "weight", "bias"),
+    optional_inputs=frozenset({"residual", "weight", "bias"}),
+    outputs=("Y", "Sum"),
+    optional_outputs=frozenset({"Sum"}),
+    attrs={"kind": "layer", "epsilon": 1e-5},
+    reference=reference,
+    kernel=kernel,
+    output_shapes=output_shapes,
+    program=program,
+)

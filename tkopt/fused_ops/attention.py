@@ -1,0 +1,113 @@
+"""FusedAttention: O = softmax(T) V, T = Q K^T * scale with the mask applied [causal].
+
+Layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA). scale <= 0 means
+1/sqrt(head_dim). The mask broadcasts over (b, h, q, k): a float mask adds mask * mask_scale (a graph's
+(S + M) * c), a bool mask keeps where it equals mask_keeps and sets T to mask_fill elsewhere (finite
+fills stay finite). causal drops keys after the query (top-left). guard: what a row gives whose every T
+is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or holds a NaN ("nan": 0, as the dynamo
+exporter's Where(IsNaN(p), 0, p)). Exact definition: kernels.reference.flash_attention_ref;
+docs/LEGALITY.md says which graphs map onto it and for which inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tkopt.ir import Node
+
+from .base import Broadcast, FusedOp, ProgramSpec, Shape, Tensor, Unservable, check_dtypes, input_dtype, static_dim
+
+
+def _scale(attrs: dict[str, Any]) -> float | None:
+    scale = float(attrs["scale"])
+    return None if scale <= 0 else scale
+
+
+def _semantics(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes as the reference's and the kernel's keyword arguments (one spelling for both)."""
+    return dict(causal=bool(attrs["causal"]), scale=_scale(attrs), layout=attrs["layout"],
+                mask_scale=float(attrs["mask_scale"]), mask_fill=float(attrs["mask_fill"]), guard=attrs["guard"],
+                mask_keeps=bool(attrs["mask_keeps"]))
+
+
+def reference(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    from tkopt.kernels import reference as ref
+
+    q, k, v, mask = ins
+    return [ref.flash_attention_ref(q, k, v, mask=mask, **_semantics(attrs))]
+
+
+def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    from tkopt import kernels
+
+    q, k, v, mask = ins
+    return [kernels.flash_attention(q, k, v, mask=mask, **_semantics(attrs))]
+
+
+def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
+    """Q's shape with V's head dim."""
+    q, v = shapes[0], shapes[2]
+    if q is None or v is None or len(v) != len(q):
+        return [None]
+    return [[*q[:-1], v[-1]]]
+
+
+def program(node: Node, arch: str) -> ProgramSpec:
+    from tkopt.kernels import attention
+
+    dtype = input_dtype(node)
+    check_dtypes(node, dtype, arch, (1, 2))
+    q, k, v, mask = node.inputs
+    layout = node.attrs["layout"]
+    h_axis = 1 if layout == "bhsd" else 2
+    dim = static_dim(q, -1, "Q")
+    if static_dim(v, -1, "V") != dim:
+        raise Unservable(f"{node.name}: V head dim differs from Q's")
+    hq, hkv = static_dim(q, h_axis, "Q heads"), static_dim(k, h_axis, "K heads")
+    mask_kind, bcast = None, (False,) * 4
+    buffers: dict[str, tuple[str, int | str]] = {"Q": ("in", 0), "K": ("in", 1), "V": ("in", 2)}
+    if mask is not None:
+        if mask.dtype == "bool":
+            mask_kind = "bool"
+        elif mask.dtype == ("float64" if arch == "cpu" and dtype == "float64" else "float32"):
+            mask_kind = "add"
+        else:
+            raise Unservable(f"{node.name}: mask dtype {mask.dtype} (kernel masks are bool, float32, or float64 "
+                             "with float64 inputs on cpu)")
+        if mask.shape is None or len(mask.shape) > 4:
+            raise Unservable(f"{node.name}: mask {mask.name} rank must be known and <= 4")
+        padded = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
+        bcast = tuple(d == 1 for d in padded)
+        buffers["Mask"] = ("in", 3)
+    buffers["Output"] = ("out", 0)
+    a = _semantics(node.attrs)
+    # The program's compile-time keys, in gpu_program / cpu_program order: the node's semantics exactly.
+    args = (dtype, dim, hq, hkv, a["causal"], (layout,) * 4, mask_kind, bcast, a["scale"], a["mask_scale"],
+            a["mask_fill"], a["guard"], a["mask_keeps"])
+    if arch == "cpu":
+        key = ("attn", arch, *args)
+        build = lambda: attention.cpu_program(*args)  # noqa: E731
+    else:
+        if dim not in attention.GPU_HEAD_DIMS:
+            raise Unservable(f"{node.name}: head dim {dim} (GPU kernels: {attention.GPU_HEAD_DIMS})")
+        cfg = attention.FP32_CONFIG if dtype == "float32" else attention.DEFAULT_CONFIGS[(arch, dim)]
+        key = ("attn", arch, *args, tuple(cfg.items()))
+        build = lambda: attention.gpu_program(*args, **cfg)  # noqa: E731
+    return ProgramSpec(key, build, buffers, {0: "s0"})
+
+
+OP = FusedOp(
+    name="FusedAttention",
+    torch_name="fused_attention",
+    inputs=("Q", "K", "V", "mask"),
+    optional_inputs=frozenset({"mask"}),
+    outputs=("O",),
+    attrs={"scale": 0.0, "causal": 0, "layout": "bhsd", "mask_scale": 1.0, "mask_fill": float("-inf"),
+           "guard": "masked", "mask_keeps": 1},
+    reference=reference,
+    kernel=kernel,
+    output_shapes=output_shapes,
+    program=program,
+    input_types={"mask": "M"},
+)

@@ -1,0 +1,113 @@
+"""Timing: one way to time a call on CPU (perf_counter) or CUDA (events, synchronized), and to compare two.
+
+Used by measured selection (a fused node against what it replaces, a whole graph against the plain
+alternative) and by the benchmarks, so a number in a report and a number in a benchmark mean the same.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Timing:
+    """Latency of one variant over `runs` timed calls after `warmup` untimed ones (milliseconds)."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    runs: int
+    warmup: int
+    method: str  # "perf_counter" or "cuda_events"
+    min_ms: float = math.nan  # the fastest call: what decisions compare (see `compare`)
+
+    @classmethod
+    def of(cls, samples_ms: list[float], warmup: int, method: str) -> Timing:
+        q = np.percentile(samples_ms, [10, 90]) if samples_ms else [math.nan, math.nan]
+        med = statistics.median(samples_ms) if samples_ms else math.nan
+        low = min(samples_ms) if samples_ms else math.nan
+        return cls(float(med), float(q[0]), float(q[1]), len(samples_ms), warmup, method, float(low))
+
+
+Stop = Callable[[list[float]], bool]  # given the samples so far (ms): stop timing now?
+
+
+def _cpu_sample(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _cuda_sampler(device: Any) -> Callable[[Callable[[], Any]], float]:
+    import torch
+
+    def sample(fn: Callable[[], Any]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    return sample
+
+
+class Timer:
+    """Times calls on a device: CUDA events around each call on CUDA, perf_counter elsewhere.
+
+    `runs` timed calls after `warmup` untimed ones, cut short after `max_seconds` of timed calls (at
+    least `min_runs` are taken) or when `stop(samples)` says the answer is already known.
+    """
+
+    def __init__(self, device: Any = "cpu", runs: int = 20, warmup: int = 2, max_seconds: float | None = None,
+                 min_runs: int = 3) -> None:
+        self.cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self.device = device
+        self.runs, self.warmup, self.max_seconds, self.min_runs = runs, warmup, max_seconds, min_runs
+        self.sample = _cuda_sampler(device) if self.cuda else _cpu_sample
+
+    def __call__(self, fn: Callable[[], Any], stop: Stop | None = None) -> Timing:
+        for _ in range(self.warmup):
+            fn()
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        samples: list[float] = []
+        t0 = time.perf_counter()
+        for _ in range(self.runs):
+            samples.append(self.sample(fn))
+            if stop is not None and stop(samples):
+                break
+            over = self.max_seconds is not None and time.perf_counter() - t0 > self.max_seconds
+            if over and len(samples) >= self.min_runs:
+                break
+        return Timing.of(samples, self.warmup, "cuda_events" if self.cuda else "perf_counter")
+
+
+def time_calls(fn: Callable[[], Any], runs: int, warmup: int) -> Timing:
+    """Wall-clock time of `fn()` (CPU work, or ORT runs, which return host arrays: synchronous)."""
+    return Timer("cpu", runs, warmup)(fn)
+
+
+def compare(fused: Callable[[], Any], unfused: Callable[[], Any], timer: Timer) -> tuple[Timing, Timing]:
+    """(fused, unfused) timings, to be compared by their fastest calls: on a shared machine other processes
+    only ever add time, so a variant's minimum is the steadiest estimate of its own cost. The unfused side
+    is timed fully; the fused side stops once its fastest call is slower than the unfused side's fastest:
+    it is losing, and slow kernels are what cost most to time."""
+    base = timer(unfused)
+    return timer(fused, stop=lambda s: min(s) > base.min_ms), base
+
+
+def speedup(base: Timing | None, other: Timing | None) -> float | None:
+    """base median / other median (> 1: `other` is faster); None if either is missing."""
+    if base is None or other is None or not other.median_ms > 0:
+        return None
+    return base.median_ms / other.median_ms

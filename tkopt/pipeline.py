@@ -1,0 +1,233 @@
+"""The one optimization pipeline: passes -> kernels -> select -> seal -> emit -> whole graph.
+
+Every entry point (tkopt.compile, torch.compile(backend="tkopt"), optimize_onnx and the CLI, bench_onnx,
+bench_module) imports its model into the IR and calls `optimize` with a target (tkopt.targets), which
+answers every device question. Here, and only here, fused nodes are put back unfused and the graph is
+sealed; here the report is made.
+
+1. passes (tkopt.passes): canonicalize, recognize, fuse. Every fused node is a candidate.
+2. kernels: the target builds each candidate's kernel; a node whose kernel fails runs unfused, with a warning.
+3. select: "all" keeps every candidate with a kernel. "measured" times each against what it replaces on the
+   target, at its real shapes, and keeps it only if it is at least MARGIN faster; decisions are cached on
+   disk (tkopt.decisions), the time spent is bounded (TKOPT_SELECT_SECONDS) and shown with a progress bar.
+4. seal: drop what only the unfused fallbacks read.
+5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
+6. whole graph ("measured"): the artifact against the plain alternatives the user already has (eager;
+   inductor with CUDA graphs; the original model in ORT), at the example inputs. Nodes interact (layouts,
+   the optimizations a fused node blocks), so a set of winning nodes can still lose as a whole: the
+   faster one is returned, so tkopt is never slower than what it replaces, by construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tkopt.decisions import DecisionCache
+from tkopt.ir import Graph, Node
+from tkopt.measure import Timing
+from tkopt.passes.base import unfuse
+from tkopt.passes.finalize import seal
+from tkopt.passes.pipeline import run_passes
+from tkopt.report import NodeDecision, Report, WholeGraph, remember
+from tkopt.targets import Measured, Target
+
+# A fused node is kept only if what it replaces takes at least 10% longer. Per-node timings on a busy
+# machine vary by a few percent, and a node timed alone misses what it costs the graph around it (a
+# layout copy, an ORT or inductor fusion it blocks); a smaller win is not worth that risk.
+MARGIN = 1.10
+# The whole graph stays tkopt's only if it is at least 2% faster than the best plain alternative: whole-
+# model times are steadier than a node's, and on a tie the user's own model is the safer answer.
+WHOLE_MARGIN = 1.02
+SELECT_SECONDS = 600.0  # default bound on measuring one graph's candidates (TKOPT_SELECT_SECONDS)
+SELECT_MODES = ("measured", "all")
+
+
+@dataclass
+class Optimized:
+    """The pipeline's result: the (sealed) graph, what the target emitted for it, the report, and what to
+    run: `artifact` is `emitted`, or the plain alternative that beat it (`winner` names which)."""
+
+    graph: Graph
+    emitted: Any
+    artifact: Any
+    report: Report
+    winner: str = "tkopt"
+
+
+def resolve_select(select: str | None, target: Target) -> str:
+    """"measured" wherever the target can measure, else "all"; an explicit "measured" it cannot is an error."""
+    if select is not None and select not in SELECT_MODES:
+        raise ValueError(f"select must be one of {', '.join(SELECT_MODES)}, got {select!r}")
+    why = target.measurable()
+    if select == "measured" and why is not None:
+        raise ValueError(f"select='measured' needs a device to measure on ({target.name}): {why}")
+    return select or ("all" if why is not None else "measured")
+
+
+def select_seconds() -> float:
+    value = os.environ.get("TKOPT_SELECT_SECONDS")
+    try:
+        return float(value) if value else SELECT_SECONDS
+    except ValueError:
+        raise ValueError(f"TKOPT_SELECT_SECONDS must be a number of seconds, got {value!r}") from None
+
+
+def optimize(graph: Graph, target: Target, *, select: str | None = None, disable: Iterable[str] = (),
+             source: str | None = None) -> Optimized:
+    """Optimize `graph` (in place) for `target`; see the module docstring for the stages."""
+    select = resolve_select(select, target)
+    laps: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        laps[stage] = now - t
+        t = now
+
+    ops_before = graph.count_ops()
+    passes = run_passes(graph, disable)
+    lap("passes")
+    candidates = [n for n in graph.nodes if n.is_fused]
+    decisions = {n.name: NodeDecision(n.name, n.op, passes.fused_by.get(n.name, "?"), len(n.replaced))
+                 for n in candidates}
+    failed = target.probe(graph, candidates) if candidates else {}
+    for n in candidates:
+        if n.name in failed:
+            _decide(decisions[n.name], "kernel_failed", failed[n.name])
+            warnings.warn(f"tkopt: {n.name} ({n.op}) runs unfused on {target.where}: its kernel failed: "
+                          f"{failed[n.name]}", stacklevel=2)
+    lap("kernels")
+    cache = DecisionCache(target.name, target.fingerprint()) if select == "measured" else None
+    if cache is not None:
+        _select(graph, target, [n for n in candidates if n.name not in failed], decisions, cache)
+        lap("selection")
+    for n in candidates:
+        if decisions[n.name].decision != "kept":
+            unfuse(graph, n)
+    seal(graph)
+    artifact = emitted = target.emit(graph)
+    lap("emit")
+    whole, winner = None, "tkopt"
+    if cache is not None and target.alternatives():
+        whole = _whole(graph, target, artifact, cache)
+        winner = whole.winner
+        if winner != "tkopt":
+            artifact = target.alternative(winner)
+            for d in decisions.values():
+                if d.decision == "kept":
+                    _decide(d, "declined", f"the whole graph ran faster as {winner}")
+        lap("whole graph")
+    plain = winner != "tkopt"
+    report = Report(
+        source=source or graph.meta.get("source") or graph.name, target=target.name, select=select, passes=passes,
+        ops_before=ops_before, ops_after=ops_before if plain else graph.count_ops(),
+        nodes_after=passes.nodes_before if plain else len(graph.nodes), nodes=list(decisions.values()),
+        whole_graph=whole, seconds=laps,
+    )
+    remember(report)
+    return Optimized(graph, emitted, artifact, report, winner)
+
+
+def _decide(d: NodeDecision, decision: str, reason: str = "") -> None:
+    d.decision, d.reason = decision, reason
+
+
+def _wins(fused: Timing, unfused: Timing) -> bool:
+    return unfused.min_ms >= MARGIN * fused.min_ms
+
+
+def _entry(m: Measured) -> dict[str, Any]:
+    sizes = [{"label": label, "fused_ms": f.min_ms, "unfused_ms": u.min_ms}
+             for label, (f, u) in zip(m.labels, m.sizes, strict=True)]
+    kept = m.error is None and bool(m.sizes) and all(_wins(f, u) for f, u in m.sizes)
+    return {"kept": kept, "sizes": sizes, "error": m.error, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _apply(d: NodeDecision, entry: dict[str, Any], cached: bool) -> None:
+    d.cached = cached
+    if entry["error"] is not None:
+        _decide(d, "kernel_failed", f"its kernel failed on the real inputs: {entry['error']}")
+        return
+    if not entry["sizes"]:
+        _decide(d, "declined", "not measured: the model ran at none of the representative sizes")
+        return
+    last = entry["sizes"][-1]
+    d.fused_ms, d.unfused_ms = last["fused_ms"], last["unfused_ms"]
+    if entry["kept"]:
+        _decide(d, "kept")
+    else:
+        _decide(d, "slower", f"under {MARGIN:.2f}x at {last['label']}")
+
+
+def _select(graph: Graph, target: Target, alive: list[Node], decisions: dict[str, NodeDecision],
+            cache: DecisionCache) -> None:
+    """Decide every candidate from the cache or by measuring one node per distinct key, in a time budget."""
+    keys = {n.name: target.node_key(graph, n) for n in alive}
+    groups: dict[str, list[Node]] = {}
+    for n in alive:
+        entry = cache.get(keys[n.name])
+        if entry is not None:
+            _apply(decisions[n.name], entry, cached=True)
+        else:
+            groups.setdefault(repr(keys[n.name]), []).append(n)
+    if not groups:
+        return
+    budget = select_seconds()
+    deadline = time.perf_counter() + budget
+    reps = [group[0] for group in groups.values()]
+    with _progress(len(reps), f"tkopt: timing fusions on {target.where}") as advance:
+        measured = target.measure(graph, reps, _wins)
+        try:
+            for m in measured:
+                entry = _entry(m)
+                if m.error is None:
+                    cache.put(keys[m.node.name], entry)
+                for n in groups.pop(repr(keys[m.node.name])):
+                    _apply(decisions[n.name], entry, cached=False)
+                advance()
+                if time.perf_counter() > deadline:
+                    break
+        finally:
+            close = getattr(measured, "close", None)
+            if close is not None:
+                close()
+    for group in groups.values():
+        for n in group:
+            _decide(decisions[n.name], "declined", f"not measured: selection ran past its {budget:.0f} s budget "
+                    "(TKOPT_SELECT_SECONDS)")
+
+
+def _whole(graph: Graph, target: Target, artifact: Any, cache: DecisionCache) -> WholeGraph:
+    """The artifact against the target's plain alternatives (cached like node decisions)."""
+    key = target.whole_key(graph, artifact)
+    entry = cache.get(key)
+    if entry is not None:
+        return WholeGraph(entry["winner"], entry["times_ms"], cached=True)
+    try:
+        times = {k: t.min_ms for k, t in target.compare_whole(graph, artifact).items()}
+    except Exception as e:  # noqa: BLE001 - an alternative that fails is no alternative: keep tkopt's
+        return WholeGraph("tkopt", {}, note=f"not compared: {type(e).__name__}: {e}")
+    best = min((k for k in times if k != "tkopt"), key=times.__getitem__)
+    winner = "tkopt" if times["tkopt"] * WHOLE_MARGIN <= times[best] else best
+    cache.put(key, {"winner": winner, "times_ms": times, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return WholeGraph(winner, times)
+
+
+@contextlib.contextmanager
+def _progress(total: int, description: str) -> Iterator[Callable[[], None]]:
+    """A progress bar on stderr while measuring (nothing when stderr is not a terminal)."""
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)

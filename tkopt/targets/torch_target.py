@@ -1,0 +1,316 @@
+"""Torch targets: fused nodes run as tkopt:: custom ops in an fx.GraphModule, on CPU or CUDA.
+
+"torch-cpu": a fused node is timed against its replaced fx nodes run eagerly (ATen), and the final
+module against the user's eager module. "torch-cuda": both sides of a node are timed as CUDA-graph
+replays, the replaced nodes compiled by inductor (cuBLAS for GEMMs) when the entry point uses inductor;
+the final module against eager and inductor with CUDA graphs. Nodes are measured on their real inputs:
+the original graph runs once on the example inputs (torch.fx.Interpreter) to capture them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from tkopt.backends.torch_module import to_torch_module
+from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
+from tkopt.frontends.fx import node_val
+from tkopt.fused_ops import run_kernel, schema, use_kernels
+from tkopt.ir import Graph, Node, Value
+from tkopt.kernels.tuning import shape_bucket
+from tkopt.measure import Timer, Timing, compare
+
+from . import Measured, Target, Wins, cpu_model, replaced_signature
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64, "bool": torch.bool, "int64": torch.int64, "int32": torch.int32}
+
+
+def first_device(values: Sequence[Any]) -> torch.device:
+    """The device of the first tensor among `values` (example inputs), cpu if none."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+def replayed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """`fn` as a CUDA-graph replay on CUDA (its GPU time without the Python launch cost), else `fn`.
+    Falls back to `fn` if it cannot be captured."""
+    from tkopt.cuda_graphs import capture
+
+    if device.type != "cuda":
+        return fn
+    try:
+        graph, _ = capture(fn, device)
+    except Exception:  # noqa: BLE001 - uncapturable: time it as is
+        return fn
+    return graph.replay
+
+
+class TorchTarget(Target):
+    """tkopt.compile's and the torch.compile backend's target (see the module docstring).
+
+    `args`/`kwargs`: real example inputs, as the emitted module is called. `wrap(gm)` is how the entry
+    point will run an emitted module (e.g. inductor for the unfused rest). `alternatives` maps a name to
+    a factory of the plain callable the user already has (built only when timed or chosen).
+    `cuda_graphs`: the entry point replays CUDA calls as CUDA graphs. `inductor`: on CUDA, time what a
+    node replaces compiled by inductor, as the entry point will run it.
+    """
+
+    def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
+                 wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None,
+                 alternatives: Mapping[str, Callable[[], Callable[..., Any]]] | None = None,
+                 cuda_graphs: bool = True, inductor: bool = False) -> None:
+        self.args, self.kwargs = tuple(args), dict(kwargs or {})
+        self.flat = pytree.tree_leaves((self.args, self.kwargs))
+        self.device = first_device(self.flat)
+        self.name = "torch-cuda" if self.device.type == "cuda" else "torch-cpu"
+        self.wrap = wrap or (lambda gm: gm)
+        self.factories = dict(alternatives or {})
+        self.built: dict[str, Callable[..., Any]] = {}
+        self.wrapped: tuple[fx.GraphModule, Callable[..., Any]] | None = None
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.inductor = inductor and self.device.type == "cuda"
+        self.node_timer = Timer(self.device, runs=20, warmup=1, max_seconds=1.0)
+        self.whole_timer = Timer(self.device, runs=20, warmup=2, max_seconds=3.0)
+
+    @property
+    def where(self) -> str:
+        return str(self.device)
+
+    def measurable(self) -> str | None:
+        return None if use_kernels() else "TKOPT_KERNELS=reference: fused ops run their torch references"
+
+    def runner(self, gm: fx.GraphModule) -> Callable[..., Any]:
+        """`wrap(gm)`, made once per module (inductor compiles it at the first call)."""
+        if self.wrapped is None or self.wrapped[0] is not gm:
+            self.wrapped = (gm, self.wrap(gm))
+        return self.wrapped[1]
+
+    def fingerprint(self) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            device = torch.cuda.get_device_name(self.device)
+        else:
+            device = f"{cpu_model()} x{torch.get_num_threads()} threads"
+        return {"device": device, "torch": torch.__version__, "kernels": "tilelang" if use_kernels() else "reference",
+                "unfused": "inductor" if self.inductor else "eager", "cuda_graphs": self.cuda_graphs}
+
+    # ---- kernels ----------------------------------------------------------------------------------
+    def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
+        """Compile and run each distinct kernel once on small random inputs; nodes with the same signature
+        share one probe (and one compiled kernel: the kernels cache them by compile-time key). One at a
+        time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
+        if not use_kernels():
+            return {}
+        groups: dict[str, list[Node]] = {}
+        for n in nodes:
+            groups.setdefault(repr(_probe_key(n)), []).append(n)
+        reasons = {k: self._probe(group[0]) for k, group in groups.items()}
+        return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
+
+    def _probe(self, node: Node) -> str | None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
+            try:
+                run_kernel(node.op, _random_inputs(node, self.device), node.attrs)
+            except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
+                return f"{type(e).__name__}: {e}"
+        return None
+
+    # ---- measurement ------------------------------------------------------------------------------
+    def node_key(self, graph: Graph, node: Node) -> Any:
+        return [node.op, schema(node.op).full_attrs(node.attrs), replaced_signature(node),
+                [None if v is None else [v.dtype, _shape_key(v)] for v in node.inputs]]
+
+    def measure(self, graph: Graph, nodes: list[Node], wins: Wins) -> Iterator[Measured]:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        gm: fx.GraphModule = graph.meta["fx_module"]
+        with unset_fake_temporarily(), torch.no_grad():
+            values = capture_values(gm, nodes, self.flat)
+            for n in nodes:
+                yield self._measure(gm, n, values)
+
+    def _measure(self, gm: fx.GraphModule, n: Node, values: Mapping[fx.Node, Any]) -> Measured:
+        try:
+            ins = [None if v is None else input_tensor(v, values, self.device) for v in n.inputs]
+            tiny, tiny_args = replaced_module(gm, n, values)
+            d = schema(n.op)
+            attrs = attr_args(n.op, n.attrs)
+            op = CUSTOM_OPS[n.op]
+            unfused_fn = torch.compile(tiny, dynamic=False) if self.inductor else tiny
+
+            def fused() -> Any:
+                return op(*d.padded(ins), *attrs)
+
+            def unfused() -> Any:
+                return unfused_fn(*tiny_args)
+
+            unfused()  # inductor compiles here, outside the timing and the capture
+            pair = compare(replayed(fused, self.device), replayed(unfused, self.device), self.node_timer)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails at the real shapes is not kept
+            return Measured(n, error=f"{type(e).__name__}: {e}")
+        return Measured(n, [pair], ["example inputs"])
+
+    # ---- emit and the whole graph -----------------------------------------------------------------
+    def emit(self, graph: Graph) -> fx.GraphModule:
+        return to_torch_module(graph)
+
+    def alternatives(self) -> list[str]:
+        return list(self.factories)
+
+    def alternative(self, name: str) -> Callable[..., Any]:
+        if name not in self.built:
+            self.built[name] = self.factories[name]()
+        return self.built[name]
+
+    def whole_key(self, graph: Graph, artifact: fx.GraphModule) -> Any:
+        inputs = [[str(x.dtype), list(x.shape)] if isinstance(x, torch.Tensor) else repr(x) for x in self.flat]
+        return ["whole", artifact.code, inputs, sorted(self.factories)]
+
+    def compare_whole(self, graph: Graph, artifact: fx.GraphModule) -> dict[str, Timing]:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        run = self.runner(artifact)
+        out: dict[str, Timing] = {}
+        with unset_fake_temporarily(), torch.no_grad():
+            for name in ["tkopt", *self.factories]:
+                fn = run if name == "tkopt" else self.alternative(name)
+                call = lambda fn=fn: fn(*self.args, **self.kwargs)  # noqa: E731
+                call()  # compiles (inductor), outside the timing and the capture
+                out[name] = self.whole_timer(replayed(call, self.device) if name == "tkopt" and self.cuda_graphs
+                                             else call)
+        return out
+
+
+def input_tensor(v: Value, values: Mapping[fx.Node, Any], device: torch.device) -> torch.Tensor:
+    """A fused node's input: its captured value, or a constant a pass made."""
+    if isinstance(v.origin, fx.Node) and v.origin in values:
+        return values[v.origin]
+    if v.const is not None:
+        t = torch.from_numpy(np.array(v.const))
+        return t.to(device=device, dtype=DTYPES.get(v.dtype or "", t.dtype))
+    raise ValueError(f"input {v.name} was not captured")
+
+
+def _hint(d: Any) -> int | None:
+    if isinstance(d, int):
+        return d
+    try:
+        return int(d.node.hint)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _shape_key(v: Value) -> list[Any] | None:
+    """The value's shape at the example inputs, dynamic dims as shape buckets ("?" where unknown)."""
+    if v.shape is None:
+        return None
+    val = node_val(v.origin) if isinstance(v.origin, fx.Node) else None
+    real = list(val.shape) if isinstance(val, torch.Tensor) and val.dim() == len(v.shape) else list(v.shape)
+    out: list[Any] = []
+    for ir_dim, d in zip(v.shape, real, strict=True):
+        size = _hint(d)
+        out.append(ir_dim if isinstance(ir_dim, int) else "?" if size is None else shape_bucket(size))
+    return out
+
+
+def _probe_key(n: Node) -> tuple:
+    """What a kernel's compile depends on: op, attributes, input dtypes and static dims."""
+    ins = tuple(None if v is None else (v.dtype, tuple(d if isinstance(d, int) else "?" for d in v.shape or ()))
+                for v in n.inputs)
+    return n.op, tuple(sorted((k, repr(v)) for k, v in n.attrs.items())), ins
+
+
+def _random_inputs(node: Node, device: torch.device) -> list[torch.Tensor | None]:
+    """Small random tensors for a node's inputs: its dtypes and static dims, symbolic dims small (the same
+    symbol, the same size). Only dtypes and static dims matter to the kernels' compile-time keys, so the
+    kernel a probe builds is the one every call will use."""
+    sizes: dict[str, int] = {}
+    gen = torch.Generator().manual_seed(0)
+    tensors: list[torch.Tensor | None] = []
+    for v in node.inputs:
+        if v is None:
+            tensors.append(None)
+            continue
+        dtype = DTYPES.get(v.dtype or "")
+        if dtype is None:
+            raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
+        if v.shape is None:
+            raise ValueError(f"input {v.name} has unknown rank")
+        shape = []
+        for d in v.shape:
+            if d is None:
+                raise ValueError(f"input {v.name} has a dim of unknown size")
+            shape.append(d if isinstance(d, int) else sizes.setdefault(str(d), 3 + len(sizes)))
+        t = torch.rand(shape, generator=gen) > 0.1 if dtype == torch.bool else torch.randn(shape, generator=gen)
+        tensors.append(t.to(dtype).to(device))
+    return tensors
+
+
+class _Capture(fx.Interpreter):
+    """Runs a GraphModule, keeping the values of `wanted` nodes only (the rest is freed as usual)."""
+
+    def __init__(self, gm: fx.GraphModule, wanted: set[fx.Node]) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.wanted = wanted
+        self.got: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n in self.wanted:
+            self.got[n] = out
+        return out
+
+
+def capture_values(gm: fx.GraphModule, nodes: list[Node], flat_inputs: Sequence[Any]) -> dict[fx.Node, Any]:
+    """The values the fused nodes and their replaced nodes read, as the original graph computes them."""
+    wanted: set[fx.Node] = set()
+    for n in nodes:
+        inner = {r.origin for r in n.replaced} | {v.origin for r in n.replaced for v in r.outputs}
+        wanted |= {v.origin for v in n.inputs if v is not None and isinstance(v.origin, fx.Node)}
+        wanted |= {a for r in n.replaced if isinstance(r.origin, fx.Node) for a in r.origin.all_input_nodes
+                   if a not in inner}
+    interp = _Capture(gm, wanted)
+    interp.run(*flat_inputs)
+    return interp.got
+
+
+def replaced_module(gm: fx.GraphModule, n: Node, env: Mapping[fx.Node, Any]) -> tuple[fx.GraphModule, list[Any]]:
+    """The fx nodes `n` replaced, copied into a GraphModule returning `n`'s outputs; and its arguments
+    (the captured values of the outer nodes they read). Raises ValueError if a node has no fx origin."""
+    g = fx.Graph()
+    new: dict[fx.Node, fx.Node] = {}
+    root: dict[str, Any] = {}
+    args: list[Any] = []
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in new:
+            if a.op == "get_attr":
+                root[a.target] = operator.attrgetter(a.target)(gm)
+                new[a] = g.get_attr(a.target)
+            else:
+                new[a] = g.placeholder(a.name)
+                args.append(env[a])
+        return new[a]
+
+    for r in n.replaced:
+        if not isinstance(r.origin, fx.Node):
+            raise ValueError(f"{n.name}: replaced node {r.name} has no fx origin")
+        new[r.origin] = g.node_copy(r.origin, arg)
+        for v in r.outputs:  # multi-output nodes: each output is an operator.getitem of the original
+            if isinstance(v.origin, fx.Node) and v.origin is not r.origin:
+                new[v.origin] = g.node_copy(v.origin, arg)
+    outs = [new.get(v.origin) if isinstance(v.origin, fx.Node) else None for v in n.outputs]
+    if any(o is None for o in outs):
+        raise ValueError(f"{n.name}: an output has no fx origin among the replaced nodes")
+    g.output(tuple(outs))
+    return fx.GraphModule(root, g), args
