@@ -16,7 +16,7 @@ from torch.export import Dim
 from tests.test_legality import F32_MIN, BufferMask, D, FiniteFillThenScale, IotaMask, SdpaMask, _attend, _qkv
 from tkopt.backends.onnx_model import export_onnx as to_onnx
 from tkopt.frontends.onnx import import_onnx
-from tkopt.ort.library import build_library
+from tkopt.ort.library import KernelLibrary
 from tkopt.ort.session import InferenceSession
 from tkopt.passes.pipeline import run_passes
 
@@ -54,8 +54,9 @@ def test_native_library_reproduces_mask_arithmetic(tmp_path) -> None:
     assert len(fused) == 5
     assert {n.attrs["guard"] for n in fused} == {"none", "nan"}
     assert any(math.isclose(n.attrs["mask_fill"], -2.0, rel_tol=1e-6) for n in fused)
-    build = build_library(graph, "cpu", tmp_path / "m.cpu.so")
-    assert build.unfused == []
+    lib = KernelLibrary("cpu")
+    assert lib.prepare(fused) == {}
+    lib.link(fused, tmp_path / "m.cpu.so")
     model = to_onnx(graph)
     onnx.helper.set_model_props(model, {"tkopt.op_library": "m.cpu.so", "tkopt.target": "cpu"})
     onnx.save(model, tmp_path / "m.tkopt.onnx")
