@@ -220,7 +220,7 @@ def _run_compile(case: Case, cell: Cell) -> None:
     with torch.no_grad():
         cell.max_rel = _rel(fast(*args, **kwargs), model(*args, **kwargs))
     rep = fast.tkopt_report
-    cell.fusions, cell.refusals = rep.fusions, _reasons(rep.refusals)
+    cell.fusions, cell.refusals = rep.fusions, _reasons(rep.passes.refusals)
 
 
 def _run_backend(case: Case, cell: Cell, training: bool) -> None:
@@ -252,7 +252,7 @@ def _run_backend(case: Case, cell: Cell, training: bool) -> None:
     for gm in backend.graph_modules:
         for k, v in gm.tkopt_report.fusions.items():
             cell.fusions[k] = cell.fusions.get(k, 0) + v
-        cell.refusals += _reasons(gm.tkopt_report.refusals)
+        cell.refusals += _reasons(gm.tkopt_report.passes.refusals)
     cell.refusals = sorted(set(cell.refusals))
 
 
