@@ -217,6 +217,21 @@ def test_an_unforeseen_error_is_one_line_and_debug_shows_it(exports: dict[str, P
     assert not list(tmp_path.iterdir())
 
 
+def test_an_accuracy_mismatch_shows_the_report_writes_nothing_and_exits_3(exports: dict[str, Path], tmp_path: Path,
+                                                                         monkeypatch, capsys) -> None:
+    """A fused op computing the wrong thing (here its reference, off by one) must not be written."""
+    import tkopt.onnx_runtime_ref as ref
+
+    real = ref.run_reference
+    monkeypatch.setattr(ref, "run_reference", lambda op, ins, attrs: [t + 1 for t in real(op, ins, attrs)])
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(exports["mlp_ts"]), "-o", str(out), "--target", "none", "-q"]) == 3
+    captured = capsys.readouterr()
+    assert "MISMATCH" in captured.out
+    _one_line_error(captured.err, "differ from the original beyond tolerance; nothing was written")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("case", ["garbage", "missing", "unknown_pass"])
 def test_bad_input_one_line_error(case: str, exports: dict[str, Path], tmp_path: Path, capsys) -> None:
     src = tmp_path / "in.onnx"

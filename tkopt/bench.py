@@ -183,7 +183,8 @@ def render(r: BenchResult, console: Console) -> None:
                    "-" if name == r.baseline else _x(speed.get(name)))
     console.print(lt)
     if r.nodes:
-        nt = Table(title="fused nodes vs the nodes they replaced (on their real inputs)")
+        nt = Table(title=f"fused nodes vs the nodes they replaced, in ORT on {r.device} (on their real inputs)"
+                   if r.kind == "onnx" else "fused nodes vs the nodes they replaced (on their real inputs)")
         nt.add_column("node", no_wrap=True)
         for col in ("replaced", "max rel", "fused ms", "unfused ms", "speedup"):
             nt.add_column(col, justify="right")

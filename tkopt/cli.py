@@ -106,23 +106,23 @@ def _optimize_model(args: argparse.Namespace, model: Path, output: Path) -> int:
     from tkopt.report import last_report
 
     json_file = _json_file(args)
-    code = 0
+    mismatch = None
     try:
         _, rep = optimize_onnx(model, output, disable=args.disable, report=False,
                                check_accuracy=not args.no_check_accuracy, target=args.target, select=args.select,
                                force=getattr(args, "force", False))
-    except AccuracyError as e:
-        rep, code = last_report(), EXIT_ACCURACY
-        error = f"tkopt: error: {e}; nothing was written"
+    except AccuracyError as e:  # the report first: its accuracy table shows where
+        rep, mismatch = last_report(), e
     if args.json == STDOUT:
         print(rep.to_json())
     else:
         rep.render(Console(), verbose=args.verbose)
         if json_file is not None:
             _write_json(json_file, rep.to_json())
-    if code:
-        print(error, file=sys.stderr)
-    return code
+    if mismatch is not None:
+        print(f"tkopt: error: {mismatch}; nothing was written", file=sys.stderr)
+        return EXIT_ACCURACY
+    return 0
 
 
 def _run_optimize(args: argparse.Namespace) -> int:
