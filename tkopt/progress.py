@@ -42,7 +42,7 @@ def step(description: str, total: int | None = None) -> Iterator[Callable[[], No
         if not _live:
             console = Console(stderr=True)
             bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), _Count(),
-                           TimeElapsedColumn(), console=console, transient=True,
+                           TimeElapsedColumn(), console=console, transient=True, redirect_stdout=False,
                            disable=_quiet or not console.is_terminal)
             bar.start()
             _live.append(bar)

@@ -64,8 +64,12 @@ def InferenceSession(  # noqa: N802 - named after the onnxruntime class it stand
             so.register_custom_ops_library(str(lib.resolve()))  # a bare name would be looked up on the loader's path
         except Exception as e:  # ORT raises its own types; keep its message
             raise OpLibraryError(f"onnxruntime could not load tkopt op library {lib}: {e}") from e
+    target = meta.get(TARGET_KEY, "cpu")
+    if target != "cpu" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise OpLibraryError(f"{model_path}: its op library is built for {target}, which runs on ONNX Runtime's CUDA "
+                             "provider: this onnxruntime has none (install onnxruntime-gpu in its place)")
     if providers is None:
-        providers = CUDA_PROVIDERS if meta.get(TARGET_KEY, "cpu") != "cpu" else CPU_PROVIDERS
+        providers = CUDA_PROVIDERS if target != "cpu" else CPU_PROVIDERS
     try:
         return ort.InferenceSession(str(model_path), so, providers=providers)
     except Exception as e:
