@@ -15,7 +15,8 @@ two public program builders that another engineer lowers to C / CUDA source:
 
 Compile-time keys (all hashable; see the builders' docstrings): dtype, head dim, query heads, kv heads,
 causal, per-tensor layouts of q / k / v / out ("bhsd" or "bshd"), mask kind (None, "add" float32 or
-"bool" uint8), which mask dims are broadcast (size 1), the softmax scale, and the tile config.
+"bool" uint8), which mask dims are broadcast (size 1), the softmax scale, the additive mask's scale, the
+bool mask's fill, the guard for fully masked / NaN rows, and the tile config.
 Batch, query length and key/value length are dynamic (`T.dynamic`), so one compiled kernel serves
 every batch size and sequence length; compiled kernels are cached in memory per key.
 
@@ -25,12 +26,18 @@ copied. Only tensors contiguous in neither layout are copied (`.contiguous()` in
 
 Masks: any tensor broadcastable to (B, Hq, Sq, Skv). Leading dims are added as size 1; every size-1
 dim is a broadcast dim the kernel indexes at 0 (stride-0 semantics, nothing is expanded). A float mask
-is read as float32 (converted if given in another float dtype) and added after scaling; a bool mask is
-read as uint8 through a zero-copy view and keeps where True. Fully masked rows give zeros.
+is read as float32 (float64 by the cpu variant of float64 inputs; converted if given in another float
+dtype) and added after scaling, times
+`mask_scale`; a bool mask is read as uint8 through a zero-copy view, keeps where it equals `mask_keeps`
+(True; False for masked_fill's mask) and puts
+`mask_fill` elsewhere (finite fills stay finite: with a mask, GPU scores stay in the natural domain
+until exp2((s - max) * log2 e), so finfo.min * log2 e cannot overflow to -inf). `guard` says what a row
+gives whose every score is -inf ("none": NaN, "masked": 0) or that holds a NaN ("nan": 0).
 """
 
 import functools
 import math
+import struct
 from collections.abc import Sequence
 
 import tilelang.language as T
@@ -44,6 +51,7 @@ GPU_HEAD_DIMS = (64, 128)
 CPU_MAX_HEAD_DIM = 256
 _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+GUARDS = ("none", "masked", "nan")
 
 # Default tile configs per arch; fp32 (tf32 tensor-core math) uses FP32_CONFIG, smaller tiles.
 # `pipelined` (sm90 only): FlashAttention-3's overlap of one block's softmax with the next block's wgmma
@@ -111,6 +119,28 @@ def _mask_shape(bcast: tuple[bool, bool, bool, bool], full: Sequence) -> list:
     return [1 if bc else n for bc, n in zip(bcast, full, strict=True)]
 
 
+def _const(x: float, dtype: str):
+    """A float constant of `dtype` in a TileLang program (infinities spelled as T.infinity)."""
+    if math.isinf(x):
+        return T.infinity(dtype) if x > 0 else -T.infinity(dtype)
+    return T.cast(x, dtype) if not math.isnan(x) else T.cast(float("nan"), dtype)
+
+
+def _bits(x: float, dtype: str):
+    """The bit pattern of x as dtype ("float32" / "float64"), as a signed integer constant of its width."""
+    if dtype == "float64":
+        return T.int64(struct.unpack("<q", struct.pack("<d", x))[0])
+    return T.int32(struct.unpack("<i", struct.pack("<f", x))[0])
+
+
+def _normalized(acc, total, guard: str, dtype: str):
+    """acc / total, or what the guard gives a row with total 0 (every score -inf) or NaN."""
+    zero, nan = T.cast(0, dtype), T.cast(float("nan"), dtype)
+    if guard == "nan":
+        return T.if_then_else((total == 0) | T.isnan(total), zero, acc / total)
+    return T.if_then_else(total == 0, zero if guard == "masked" else nan, acc / total)
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU program (sm90 / sm80)
 # ---------------------------------------------------------------------------------------------------
@@ -124,6 +154,10 @@ def gpu_program(
     mask_kind: str | None = None,
     mask_bcast: tuple[bool, bool, bool, bool] = (False,) * 4,
     scale: float | None = None,
+    mask_scale: float = 1.0,
+    mask_fill: float = -math.inf,
+    guard: str = "masked",
+    mask_keeps: bool = True,
     block_M: int = 128,
     block_N: int = 128,
     num_stages: int = 2,
@@ -133,11 +167,12 @@ def gpu_program(
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
     Parameters (Q, K, V[, Mask], Output); batch, seq_q, seq_kv are dynamic. `layouts` gives the layout
-    of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask, nonzero keeps);
+    of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask);
     `mask_bcast` marks which of the mask's (B, Hq, Sq, Skv) dims have size 1. `scale` defaults to
-    1/sqrt(dim). Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and
-    `pipelined` (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below;
-    ignored for fp32, which keeps the plain schedule).
+    1/sqrt(dim); `mask_scale`, `mask_fill`, `guard` and `mask_keeps` as `reference.flash_attention_ref`.
+    Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and `pipelined`
+    (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
+    fp32, which keeps the plain schedule).
     """
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
@@ -155,11 +190,15 @@ def gpu_program(
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
     bb, bh, bq, bk = mask_bcast
     # Without a mask the scale is folded into exp2: exp2(s * scale*log2e - max * scale*log2e), with the row
-    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are scaled explicitly
-    # to the log2 domain first so that the additive mask is not scaled.
+    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are scaled and masked
+    # in the natural domain and exponentiated as exp2((s - max) * log2e): a finite fill such as finfo.min
+    # would overflow to -inf if multiplied by log2e first, and a row of equal fills must weigh them equally.
     s_log2 = scale * LOG2E
-    ex_scale = 1.0 if has_mask else s_log2
     neg_inf = -T.infinity(accum)
+    fill = _const(mask_fill, accum)
+
+    def keeps(m):
+        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
     # fp32 (tf32 tensor-core math): P goes through shared memory; a float32 register fragment cannot be
     # reused as the A operand of the second GEMM (TileLang's layout inference rejects the fragment copy).
     fp32 = dtype == "float32"
@@ -210,9 +249,11 @@ def gpu_program(
             mq = 0 if bq else T.min(q_idx, seq_q - 1)
             mk = 0 if bk else T.min(k_idx, seq_kv - 1)
             if mask_kind == "bool":
-                acc_s[i, j] = T.if_then_else(Mask[mb, mh, mq, mk] != T.uint8(0), acc_s[i, j] * s_log2, neg_inf)
+                acc_s[i, j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), acc_s[i, j] * scale, fill)
+            elif mask_scale == 1.0:
+                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk]
             else:
-                acc_s[i, j] = acc_s[i, j] * s_log2 + Mask[mb, mh, mq, mk] * LOG2E
+                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk] * mask_scale
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
@@ -226,10 +267,16 @@ def gpu_program(
             # A row with every key so far masked has max -inf: use 0 so exp2 gives 0, not NaN.
             for i in T.Parallel(block_M):
                 scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-        for i in T.Parallel(block_M):
-            scores_scale[i] = T.exp2(scores_max_prev[i] * ex_scale - scores_max[i] * ex_scale)
-        for i, j in T.Parallel(block_M, block_N):
-            acc_s[i, j] = T.exp2(acc_s[i, j] * ex_scale - scores_max[i] * ex_scale)
+        if has_mask:
+            for i in T.Parallel(block_M):
+                scores_scale[i] = T.exp2((scores_max_prev[i] - scores_max[i]) * LOG2E)
+            for i, j in T.Parallel(block_M, block_N):
+                acc_s[i, j] = T.exp2((acc_s[i, j] - scores_max[i]) * LOG2E)
+        else:
+            for i in T.Parallel(block_M):
+                scores_scale[i] = T.exp2(scores_max_prev[i] * s_log2 - scores_max[i] * s_log2)
+            for i, j in T.Parallel(block_M, block_N):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * s_log2 - scores_max[i] * s_log2)
         T.reduce_sum(acc_s, scores_sum, dim=1)
         for i in T.Parallel(block_M):
             logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
@@ -358,9 +405,9 @@ def gpu_program(
                 plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask,
                            loop_range, bx, by, bz)  # fmt: skip
 
-            if has_mask:
+            if has_mask or guard == "nan":  # without a mask no row is fully masked (seq_kv >= 1, top-left)
                 for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] = T.if_then_else(logsum[i] == 0, 0, acc_o[i, j] / logsum[i])
+                    acc_o[i, j] = _normalized(acc_o[i, j], logsum[i], guard, accum)
             else:
                 for i, j in T.Parallel(block_M, dim):
                     acc_o[i, j] /= logsum[i]
@@ -406,6 +453,10 @@ def cpu_program(
     mask_kind: str | None = None,
     mask_bcast: tuple[bool, bool, bool, bool] = (False,) * 4,
     scale: float | None = None,
+    mask_scale: float = 1.0,
+    mask_fill: float = -math.inf,
+    guard: str = "masked",
+    mask_keeps: bool = True,
     block_N: int = CPU_BLOCK_N,
 ):
     """The C-backend `T.prim_func`: one program per (query row, head, batch), blocks of `block_N` keys.
@@ -428,9 +479,12 @@ def cpu_program(
     o_shape = _io_shape(lo, batch, heads_q, seq_q, dim)
     has_mask = mask_kind is not None
     m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
-    m_dtype = "uint8" if mask_kind == "bool" else "float32"
+    m_dtype = "uint8" if mask_kind == "bool" else accum  # a float64 mask stays float64 (finfo.min included)
     bb, bh, bq, bk = mask_bcast
     neg_inf = -T.infinity(accum)
+
+    def keeps(m):
+        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
 
     def at(buf, layout, b, h, s, d):
         return buf[b, h, s, d] if layout == "bhsd" else buf[b, s, h, d]
@@ -441,6 +495,14 @@ def cpu_program(
             acc = T.alloc_local([dim], accum)
             s = T.alloc_local([block_N], accum)
             stat = T.alloc_local([4], accum)  # running max, running sum, block max, rescale factor
+            # The C backend prints float constants with 7 digits (1/sqrt(8) as 3.535534e-01): scale, mask
+            # scale and fill are set from their bits instead, exact in float64 too.
+            bits = T.alloc_local([3], "int64" if accum == "float64" else "int32")
+            exact = T.alloc_local([3], accum)
+            for c, x in enumerate((scale, mask_scale, mask_fill)):
+                bits[c] = _bits(x, accum)
+                exact[c] = T.reinterpret(bits[c], accum)
+            fill = neg_inf if mask_fill == -math.inf else exact[2]
             hk = hq // group
             for d in T.serial(dim):
                 acc[d] = 0
@@ -455,16 +517,18 @@ def cpu_program(
                         s[j] = 0
                         for d in T.serial(dim):
                             s[j] += T.cast(at(Q, lq, b, hq, qi, d), accum) * T.cast(at(K, lk, b, hk, kj, d), accum)
-                        s[j] = s[j] * scale
+                        s[j] = s[j] * exact[0]
                         if has_mask:
                             mb = 0 if bb else b
                             mh = 0 if bh else hq
                             mq = 0 if bq else qi
                             mk = 0 if bk else kj
                             if mask_kind == "bool":
-                                s[j] = T.if_then_else(Mask[mb, mh, mq, mk] != T.uint8(0), s[j], neg_inf)
-                            else:
+                                s[j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), s[j], fill)
+                            elif mask_scale == 1.0:
                                 s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum)
+                            else:
+                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum) * exact[1]
                 stat[2] = stat[0]
                 for j in T.serial(block_N):
                     stat[2] = T.if_then_else(s[j] > stat[2], s[j], stat[2])
@@ -484,13 +548,9 @@ def cpu_program(
                 stat[0] = stat[2]
             for d in T.serial(dim):
                 if lo == "bhsd":
-                    Output[b, hq, qi, d] = T.cast(
-                        T.if_then_else(stat[1] == 0, T.cast(0, accum), acc[d] / stat[1]), dtype
-                    )
+                    Output[b, hq, qi, d] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
                 else:
-                    Output[b, qi, hq, d] = T.cast(
-                        T.if_then_else(stat[1] == 0, T.cast(0, accum), acc[d] / stat[1]), dtype
-                    )
+                    Output[b, qi, hq, d] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
 
     if has_mask:
 
@@ -646,6 +706,10 @@ def flash_attention(
     scale: float | None = None,
     *,
     layout: str = "bhsd",
+    mask_scale: float = 1.0,
+    mask_fill: float = -math.inf,
+    guard: str = "masked",
+    mask_keeps: bool = True,
     out: torch.Tensor | None = None,
     arch: str | None = None,
     config: dict | None = None,
@@ -653,10 +717,13 @@ def flash_attention(
     """softmax(q k^T * scale + mask) v per head, as `reference.flash_attention_ref` (same arguments).
 
     layout "bhsd" (batch, heads, seq, dim) or "bshd" (batch, seq, heads, dim), for q, k, v and the output.
-    GQA: k/v may have fewer heads, dividing q's. mask: float (added) or bool (keep where True),
-    broadcastable to (B, Hq, Sq, Skv). causal: top-left aligned. Extras: `out` (written in place and
-    returned; q's shape and dtype, contiguous in `layout`), `arch` (force "sm90" / "sm80"; else
-    arch_of), `config` (tile config dict for GPU variants; else default / tuned).
+    GQA: k/v may have fewer heads, dividing q's. mask: float (added, times mask_scale) or bool (keep where
+    it equals mask_keeps, mask_fill elsewhere), broadcastable to (B, Hq, Sq, Skv). causal: top-left
+    aligned. guard: what a row whose every score is -inf ("none": NaN; "masked": 0) or that holds a NaN
+    ("nan": 0) gives.
+    Extras: `out` (written in place and returned; q's shape and dtype, contiguous in `layout`), `arch`
+    (force "sm90" / "sm80"; else arch_of), `config` (tile config dict for GPU variants; else default /
+    tuned).
     GPU: fp16, bf16, fp32; head dim 64 or 128. CPU: fp32, fp64; head dim <= 256.
 
     >>> import torch
@@ -668,6 +735,8 @@ def flash_attention(
     True
     """
     b, hq, hkv, sq, skv = _check_inputs(q, k, v, mask, layout)
+    if guard not in GUARDS:
+        raise ValueError(f"flash_attention: guard must be one of {GUARDS}, got {guard!r}")
     dim = q.shape[3]
     a = arch_of(q, arch)
     if a == "cpu":
@@ -694,7 +763,7 @@ def flash_attention(
             )
     if out.numel() == 0:
         return out
-    if skv == 0:  # no keys: every row is fully masked
+    if skv == 0:  # no keys: softmax over nothing, and p @ v sums nothing
         return out.zero_()
 
     layouts, (q, k, v) = kernel_layouts(q, k, v, layout)
@@ -706,7 +775,8 @@ def flash_attention(
         if m.dtype == torch.bool:
             mask_kind, m = "bool", m.contiguous().view(torch.uint8)
         else:
-            mask_kind, m = "add", m.to(torch.float32).contiguous()
+            wide = a == "cpu" and q.dtype == torch.float64  # the cpu kernel reads float64 masks as float64
+            mask_kind, m = "add", m.to(torch.float64 if wide else torch.float32).contiguous()
         margs = (m,)
     key = (
         None,
@@ -718,6 +788,10 @@ def flash_attention(
         mask_kind,
         bcast,
         None if scale is None else float(scale),
+        float(mask_scale),
+        float(mask_fill),
+        guard,
+        bool(mask_keeps),
     )
 
     if a == "cpu":

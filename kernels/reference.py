@@ -73,6 +73,9 @@ def gated_mlp_ref(
     return (g * u).to(x.dtype)
 
 
+GUARDS = ("none", "masked", "nan")
+
+
 def flash_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,17 +84,30 @@ def flash_attention_ref(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
     layout: str = "bhsd",
+    mask_scale: float = 1.0,
+    mask_fill: float = float("-inf"),
+    guard: str = "masked",
+    mask_keeps: bool = True,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v, per head.
+    """softmax(T) v per head, T the scaled scores with the mask applied; every edge as eager computes it.
 
     layout "bhsd": (batch, heads, seq, dim); "bshd": (batch, seq, heads, dim); output as q.
     GQA: k/v may have fewer heads than q, dividing it (head h of q reads kv head h // group).
-    mask: broadcastable to (B, Hq, Sq, Skv); float masks are added, bool masks keep where True.
-    causal: query i sees keys j <= i (top-left aligned, as torch SDPA's is_causal).
-    scale defaults to 1/sqrt(head_dim).
+    T = q k^T * scale (scale defaults to 1/sqrt(head_dim)), then a mask broadcastable to (B, Hq, Sq, Skv):
+    a float mask is added as mask * mask_scale (mask_scale: the scale a graph applies after adding it,
+    (S + M) * c); a bool mask keeps where it equals mask_keeps (True; False for masked_fill's mask) and
+    sets T to mask_fill elsewhere (a finite fill stays
+    finite: a row whose every key is masked then weighs them all equally, as eager does).
+    causal: query i sees keys j <= i (top-left, as torch SDPA's is_causal); later keys get no weight
+    whatever their score.
+    guard: a row whose every T is -inf is NaN under plain softmax ("none"), 0 under SDPA's safe softmax
+    ("masked"); "nan" zeroes every NaN probability (the dynamo exporter's Where(IsNaN(p), 0, p)), so rows
+    with a NaN or +inf score give 0 too. NaN and inf otherwise propagate as in eager (p @ v reads every key).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if guard not in GUARDS:
+        raise ValueError(f"guard must be one of {GUARDS}, got {guard!r}")
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     hq, hkv = q.shape[1], k.shape[1]
@@ -104,16 +120,18 @@ def flash_attention_ref(
     s = (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
     if mask is not None:
         if mask.dtype == torch.bool:
-            s = s.masked_fill(~mask, float("-inf"))
+            s = s.masked_fill(mask != mask_keeps, mask_fill)
         else:
-            s = s + _acc(mask)
+            s = s + _acc(mask) * mask_scale
     if causal:
         sq, skv = s.shape[-2], s.shape[-1]
         keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    # Rows with every key masked out give NaN in torch; define them as zeros (as flash kernels do).
-    p = torch.nan_to_num(p, nan=0.0)
+    if guard == "masked":
+        p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
+    elif guard == "nan":
+        p = p.masked_fill(p.isnan(), 0.0)
     o = (p @ _acc(v)).to(q.dtype)
     return o.transpose(1, 2) if layout == "bshd" else o
 

@@ -1,46 +1,53 @@
 """Attention fusion: softmax(Q K^T * scale + mask [causal]) V, decomposed or canonical, -> FusedAttention.
 
 Two anchors. A decomposed attention is found from its Softmax: backwards through the scores chain
-(scale Mul/Div, additive-mask Add, Where(cond, scores, -inf) masks, Casts) to Q·K^T, forwards through
-Casts, eval-mode Dropout and the exporters' NaN/row guards (which zero fully masked rows, as
-FusedAttention defines) to ·V. Either MatMul may be the decomposed-FX bmm form (Reshape to 3-D,
-bmm, Reshape back). A ScaledDotProductAttention node (aten.scaled_dot_product_attention) is
-converted directly. In both, the Q/K/V operands are then "peeled": single-use Transposes
-(permutations composed, the net effect checked exactly; also dynamo's 3-D K^T), scale Muls on Q
-and K, and the GQA head repeat of K/V (repeat_interleave semantics only) are absorbed, and BSHD
-inputs with a transposed-back output become layout "bshd". Masks that are constant, or computed
-from shapes only, are checked for the top-left causal pattern (causal=1); any other mask becomes
-the mask input, its producers staying outside.
+(scale Mul/Div, additive-mask Add, Where(cond, scores, fill) and masked_fill masks, Casts) to Q·K^T,
+forwards through Casts, eval-mode Dropout and the guards that zero fully masked rows (decomposed
+SDPA's row guard, the dynamo exporter's NaN guard) to ·V. Either MatMul may be the decomposed-FX bmm
+form (Reshape to 3-D, bmm, Reshape back). A ScaledDotProductAttention node (aten.scaled_dot_product_
+attention) is converted directly. In both, the Q/K/V operands are then "peeled": single-use Transposes
+(permutations composed, the net effect checked exactly; also dynamo's 3-D K^T), scale Muls on Q and K,
+and the GQA head repeat of K/V (repeat_interleave semantics only) are absorbed, and BSHD inputs with a
+transposed-back output become layout "bshd".
 
-Dynamic-shape exports are matched with symbolic shapes (attention_shapes.py). ONNX graphs only:
-Shape reads of absorbed per-head tensors are rewritten onto the fused node's inputs/output, and a
-K that exists only as (B,S,H,D) next to BHSD Q/V/output gets a Transpose (the torch backend re-emits
-original nodes only, so FX graphs never get new nodes).
+The fused node reproduces the chain's arithmetic (docs/LEGALITY.md): the chain is folded in order, so
+a scale after a mask scales it (mask_scale), a Where's fill is kept (mask_fill, finite or not) with
+which of its condition's values keeps (mask_keeps: False for masked_fill's mask), and the guard says
+what a fully masked row gives. A mask proven causal from its structure (passes/masks.py),
+for every admitted length, becomes causal=1; any other mask becomes the mask input, its producers
+staying outside. Q, K, V, the mask and the output must provably share batch, heads and lengths the
+way the kernels read them (passes/shapes.py).
+
+Dynamic-shape exports are matched with symbolic shapes. ONNX graphs only: Shape reads of absorbed
+per-head tensors are rewritten onto the fused node's inputs/output, and a K that exists only as
+(B,S,H,D) next to BHSD Q/V/output gets a Transpose (the torch backend re-emits original nodes only,
+so FX graphs never get new nodes).
 
 Anything that only looks like attention is refused with the reason (see the tests for each).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tkopt.fused_ops import FLOAT_DTYPES
 from tkopt.ir import Graph, Node, Value
 
-from .attention_shapes import LOCAL_EVALUATORS, Shapes, Sizes, as_int, concrete, same
 from .base import FusionError, PassResult, fuse
-from .patterns import GraphIndex, norm_axis
+from .masks import MaskAnalysis, aligned, prove_causal
+from .patterns import GraphIndex, norm_axes, norm_axis
 from .pipeline import register
+from .shapes import LOCAL_EVALUATORS, Shape, as_int, same
 
 IDENT = (0, 1, 2, 3)
 SWAP = (0, 1, 3, 2)  # K^T from a BHSD K
 BSHD = (0, 2, 1, 3)  # BHSD from BSHD, and back
 BSHD_KT = (0, 2, 3, 1)  # K^T from a BSHD K
-CAUSAL_TRIALS = ((5, 7, 11, 13, 17), (9, 6, 8, 12, 10))  # sizes given to symbolic dims, in order met
-NEG_FILL = -1e4  # a fill/additive value at or below this zeroes the softmax weight (exp underflows): as -inf
 PASS_THROUGH = ("Identity", "aten::clone", "aten::contiguous", "aten::alias")
-CHAIN_OPS = ("Cast", "Identity", "Add", "Mul", "Div", "Where")
+CHAIN_OPS = ("Cast", "Identity", "Add", "Mul", "Div", "Where", "aten::masked_fill")
 
 
 class _Miss(Exception):
@@ -56,7 +63,7 @@ class _View(GraphIndex):
 
     def __init__(self, graph: Graph) -> None:
         super().__init__(graph)
-        self.shapes = Shapes(self)
+        self.masks = MaskAnalysis(self, self.shapes)
         self.pending: dict[int, Node] = {}  # id(Value) -> the node to add if a fusion takes that value
 
     def only_user(self, v: Value, node: Node) -> bool:
@@ -122,15 +129,10 @@ def _strip(view: _View, v: Value, reader: Node, nodes: list[Node]) -> Value:
         v, reader = p.inputs[0], p
 
 
-def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, list[Node]] | None:
-    """Reshape(Expand(Unsqueeze(x, a))) folding the new axis into a neighbour: (x, a, merged lo, reps, nodes).
-
-    The reshape merges 5-D axes (lo, lo + 1), one of which is the new axis a. The caller decides
-    what that means: new axis right after the head axis is repeat_interleave (head h reads h // g),
-    right before it is tile (h reads h % Hkv).
-    """
-    nodes = [reshape]
-    x5 = _strip(view, reshape.inputs[0], reshape, nodes)
+def _unsqueeze_expand(view: _View, v: Value, reader: Node, nodes: list[Node]) -> tuple[Value, int, int, Shape] | None:
+    """v = Expand(Unsqueeze(x, a)) broadcasting only the new axis a (5-D), read by `reader`:
+    (x, a, reps, expanded shape), the nodes appended to `nodes`."""
+    x5 = _strip(view, v, reader, nodes)
     exp = view.producer(x5)
     if exp is None or exp.op != "Expand" or not view.only_user(x5, nodes[-1]):
         return None
@@ -141,20 +143,32 @@ def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, li
         return None
     nodes.append(unsq)
     x = unsq.inputs[0]
-    axes = unsq.attrs.get("axes")
-    axes = [axes] if isinstance(axes, int) else axes
+    axes = norm_axes(unsq.attrs.get("axes"), 5)
     src, exp_shape = view.shapes.shape(u_out), view.shapes.shape(x5)
-    out = view.shapes.shape(reshape.outputs[0])
-    if x.rank != 4 or not axes or len(axes) != 1 or src is None or exp_shape is None or out is None:
+    if x.rank != 4 or not axes or len(axes) != 1 or src is None or exp_shape is None:
         return None
-    if len(src) != 5 or len(exp_shape) != 5 or len(out) != 4:
+    if len(src) != 5 or len(exp_shape) != 5:
         return None
-    a = norm_axis(int(axes[0]), 5)
+    a = axes[0]
     if any(i != a and not same(src[i], exp_shape[i]) for i in range(5)):  # only the new axis broadcasts
         return None
     g = as_int(exp_shape[a])
-    if g is None:
+    return None if g is None else (x, a, g, exp_shape)
+
+
+def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, list[Node]] | None:
+    """Reshape(Expand(Unsqueeze(x, a))) folding the new axis into a neighbour: (x, a, merged lo, reps, nodes).
+
+    The reshape merges 5-D axes (lo, lo + 1), one of which is the new axis a. The caller decides
+    what that means: new axis right after the head axis is repeat_interleave (head h reads h // g),
+    right before it is tile (h reads h % Hkv).
+    """
+    nodes = [reshape]
+    found = _unsqueeze_expand(view, reshape.inputs[0], reshape, nodes)  # type: ignore[arg-type]
+    out = view.shapes.shape(reshape.outputs[0])
+    if found is None or out is None or len(out) != 4:
         return None
+    x, a, g, exp_shape = found
     # The reshape merges axis a with a neighbour (a+1 -> tile order, a-1 -> interleave order).
     for lo in (a - 1, a):
         if lo < 0 or lo + 1 > 4:
@@ -166,9 +180,12 @@ def _expand_repeat(view: _View, reshape: Node) -> tuple[Value, int, int, int, li
     return None
 
 
-def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node]] | None:
+def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node], int] | None:
     """Reshape(Transpose(Reshape(x, (B*H, S, D)), [0, 2, 1]), (B, H, D, S)): x with its last two axes
-    swapped, as the dynamo exporter writes K^T for SDPA. Proven on symbolic shapes: (source, nodes)."""
+    swapped, as the dynamo exporter writes K^T for SDPA. Proven on symbolic shapes: (source, nodes, group).
+
+    With static GQA shapes the first Reshape reads the head repeat itself, Expand(Unsqueeze(k, 2)) of shape
+    (B, Hkv, g, S, D) flattened to (B*Hkv*g, S, D): repeat_interleave order, so the source is k, group g."""
     nodes = [r2]
     t_out = _strip(view, r2.inputs[0], r2, nodes)
     t = view.producer(t_out)
@@ -181,22 +198,31 @@ def _swap_via_3d(view: _View, r2: Node) -> tuple[Value, list[Node]] | None:
     r1 = view.producer(r1_out)
     if r1 is None or r1.op != "Reshape" or not view.only_user(r1_out, nodes[-1]):
         return _split_3d_source(view, r1_out, r2, nodes)
-    x = r1.inputs[0]
+    x, group = r1.inputs[0], 1
     xs, s1, s2 = view.shapes.shape(x), view.shapes.shape(r1_out), view.shapes.shape(r2.outputs[0])
-    if xs is not None and len(xs) != 4:  # (B, Hkv, group, S, D) with the GQA repeat, folded alike
+    if xs is not None and len(xs) == 5:  # the GQA repeat, flattened with the batch
+        repeat = [r1]
+        found = _unsqueeze_expand(view, x, r1, repeat)  # type: ignore[arg-type]
+        if found is None or found[1] != 2:  # not repeat_interleave order: K as the exporter folded it
+            return _split_3d_source(view, r1_out, r2, nodes)
+        x, group, e = found[0], found[2], found[3]
+        xs = (e[0], e[1] * group, e[3], e[4])
+        nodes += repeat
+    elif xs is not None and len(xs) != 4:
         return _split_3d_source(view, r1_out, r2, nodes)
-    nodes.append(r1)
+    else:
+        nodes.append(r1)
     if xs is None or s1 is None or s2 is None or (len(xs), len(s1), len(s2)) != (4, 3, 4):
         return None
     b, h, sq, d = xs
     if same(s1[0], b * h) and same(s1[1], sq) and same(s1[2], d) and all(
         same(o, w) for o, w in zip(s2, (b, h, d, sq), strict=True)
     ):
-        return x, nodes
+        return x, nodes, group  # type: ignore[return-value]
     return None
 
 
-def _split_3d_source(view: _View, x3: Value, r2: Node, nodes: list[Node]) -> tuple[Value, list[Node]] | None:
+def _split_3d_source(view: _View, x3: Value, r2: Node, nodes: list[Node]) -> tuple[Value, list[Node], int] | None:
     """As `_swap_via_3d` when K never exists as (B, H, S, D): the dynamo exporter's static-shape export
     folds Reshape(Reshape(k, (B,H,S,D)), (B*H,S,D)) to k (B*H, S, D) (with GQA, the head repeat's
     (B, Hkv, group, S, D) straight to (B*H, S, D)). K is then Reshape(k, (B,H,S,D)), a new node added
@@ -211,7 +237,7 @@ def _split_3d_source(view: _View, x3: Value, r2: Node, nodes: list[Node]) -> tup
     shape = Value(graph.fresh_name(f"{x3.name}_bhsd_shape"), "int64", (4,), const=np.array([b, h, sq, d], np.int64))
     k = Value(graph.fresh_name(f"{x3.name}_bhsd"), x3.dtype, (b, h, sq, d))
     view.pending[id(k)] = Node("Reshape", [x3, shape], [k], {"shape": [b, h, sq, d]}, name=graph.fresh_name("Reshape"))
-    return k, nodes
+    return k, nodes, 1
 
 
 # ---- Q/K/V operand peeling ------------------------------------------------------------------------
@@ -230,7 +256,6 @@ class _Src:
 @dataclass
 class _Peel:
     states: list[_Src]
-    scaled_by: Node | None = None  # a scale Mul/Div met on V (not absorbed)
     gqa_refusal: str | None = None
 
 
@@ -261,13 +286,15 @@ def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool) -> _P
             if not all(same(a, b) for a, b in zip(xs, cs, strict=True)):
                 return out
             if not allow_scale:
-                out.scaled_by = p
                 return out
             factor = c if p.op == "Mul" else 1.0 / c
             st, reader = replace(st, value=x, scale=st.scale * factor, nodes=[*st.nodes, p]), p
-        elif p.op == "Reshape" and (sw := _swap_via_3d(view, p)) is not None:
+        elif p.op == "Reshape" and (sw := _swap_via_3d(view, p)) is not None and (
+            sw[2] == 1 or (st.group == 1 and not st.reads)
+        ):
             net = _compose(st.net, list(SWAP))
-            st, reader = replace(st, value=sw[0], net=net, nodes=[*st.nodes, *sw[1]]), sw[1][-1]
+            st = replace(st, value=sw[0], net=net, nodes=[*st.nodes, *sw[1]], group=st.group * sw[2])
+            reader = sw[1][-1]
         elif not st.reads and st.group == 1 and (rep := _head_repeat(view, p, st.net[1], out)) is not None:
             x, g, rep_nodes = rep
             st, reader = replace(st, value=x, group=g, nodes=[*st.nodes, *rep_nodes]), rep_nodes[-1]
@@ -315,9 +342,9 @@ class _Match:
     v: _Peel
     out: Value  # the ·V result (BHSD)
     scale: float | None  # None: the default 1/sqrt(d)
-    causal: int
-    mask: Value | None
+    masks: _Masks
     k_transposed: bool  # True: K enters as K^T (MatMul form); False: as K (SDPA)
+    guard: str  # FusedAttention's guard: what a row with every key masked (or a NaN) gives
 
 
 Reads = list[tuple[Value, tuple[int, ...], list[Node]]]
@@ -361,20 +388,15 @@ def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], 
 
 def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> None:
     layout, q, k, v, extra, out, out_reads = _choose(view, m)
-    if m.k_transposed:  # decomposed: no scale anywhere means 1
-        unscaled = m.scale is None and q.scale == 1.0 and k.scale == 1.0
+    if m.k_transposed:  # decomposed: no scale anywhere means 1 (unscaled attention, as T5's)
         scale = (1.0 if m.scale is None else m.scale) * q.scale * k.scale
         if scale <= 0:
             raise _Refuse(f"attention scale {scale} is not positive")
     else:  # SDPA: None means the default 1/sqrt(d) (attribute 0)
-        unscaled, scale = False, m.scale
-    if unscaled:
-        scaled = m.v.scaled_by or _output_scale(view, m.out)
-        if scaled is not None:
-            raise _Refuse(
-                f"scale applied to V or the output ({scaled.name}) instead of the scores: not the "
-                f"softmax temperature, so not fused as attention (near miss)"
-            )
+        scale = m.scale
+    dim = q.value.shape[-1] if q.value.shape else None
+    if scale is not None and isinstance(dim, int) and math.isclose(scale, 1 / math.sqrt(dim), rel_tol=1e-12):
+        scale = None  # the default, computed exactly at run time (an ONNX float attribute has 32 bits)
     if m.k.gqa_refusal or m.v.gqa_refusal:
         result.refuse(anchor, m.k.gqa_refusal or m.v.gqa_refusal or "")
     for name, s in (("Q", q), ("K", k), ("V", v)):
@@ -382,10 +404,8 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
             raise _Refuse(f"{name} {s.value.name} has rank {s.value.rank}; FusedAttention needs 4-D")
     if out.dtype is not None and q.value.dtype is not None and out.dtype != q.value.dtype:
         raise _Refuse(f"output dtype {out.dtype} differs from Q's {q.value.dtype}")
-    hq, hk = q.value.shape[q.net[1]], k.value.shape[k.net[1]]  # type: ignore[index]
-    if isinstance(hq, int) and isinstance(hk, int) and hq % hk:
-        raise _Refuse(f"query heads {hq} are not a multiple of key/value heads {hk}")
-    inputs = [q.value, k.value, v.value, m.mask]
+    _check_operands(view, m, q, k, v)
+    inputs = [q.value, k.value, v.value, m.masks.mask]
     for x in inputs:
         if x is not None and id(x) in view.pending:
             view.graph.add_node(view.pending.pop(id(x)))
@@ -395,12 +415,50 @@ def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> Non
     _rewrite_shape_reads(view.graph, out_reads, out, BSHD, nodes)
     if layout == "bhsd" and k.net == (BSHD_KT if m.k_transposed else BSHD):
         inputs[1] = _bhsd_copy(view.graph, k.value)
-    attrs = {"scale": 0.0 if scale is None else float(scale), "causal": m.causal, "layout": layout}
+    attrs = {
+        "scale": 0.0 if scale is None else float(scale), "causal": m.masks.causal, "layout": layout,
+        "mask_scale": m.masks.mask_scale, "mask_fill": m.masks.mask_fill, "guard": m.guard,
+        "mask_keeps": m.masks.mask_keeps,
+    }
     try:
         fuse(view.graph, nodes, "FusedAttention", inputs, [out], attrs)
     except FusionError as e:
         raise _Refuse(str(e)) from None
     result.fused += 1
+
+
+def _bhsd(view: _View, src: _Src) -> Shape | None:
+    """(B, H, S, D) of a peeled source, whichever of BHSD / BSHD it comes in."""
+    s = view.shapes.shape(src.value)
+    if s is None or len(s) != 4:
+        return None
+    return s if src.net in (IDENT, SWAP) else (s[0], s[2], s[1], s[3])
+
+
+def _check_operands(view: _View, m: _Match, q: _Src, k: _Src, v: _Src) -> None:
+    """FusedAttention takes one batch, K and V of one shape, and Q heads that K/V heads divide as GQA:
+    prove the graph's operands are such, for every admitted size (a MatMul broadcasting a batch or
+    head axis of size 1, or dims of different names, are not). The K/V length and the Q/K head dim
+    need no proof: Q·K^T and ·V contract them (as SDPA requires them equal), so a run where they differ
+    fails in the original too."""
+    qs, ks, vs, os = _bhsd(view, q), _bhsd(view, k), _bhsd(view, v), view.shapes.shape(m.out)
+    if qs is None or ks is None or vs is None or os is None or len(os) != 4:
+        raise _Refuse("Q, K, V or the output have unknown shapes: cannot prove them one batch and head layout")
+    names = ("batch", "heads", "length", "head dim")
+    for a, b, axes, what in ((qs, ks, (0,), "Q and K"), (qs, vs, (0,), "Q and V"), (ks, vs, (0, 1), "K and V")):
+        for axis in axes:
+            if not same(a[axis], b[axis]):
+                raise _Refuse(f"{names[axis]} of {what} ({a[axis]} vs {b[axis]}) are not provably equal")
+    for axis, want in ((0, qs[0]), (1, qs[1]), (2, qs[2]), (3, vs[3])):
+        if not same(os[axis], want):
+            raise _Refuse(f"the output's {names[axis]} {os[axis]} is not Q's/V's {want} (the graph broadcasts)")
+    hq, hk = qs[1], ks[1] * k.group
+    if same(hq, hk) or same(hk, 1):
+        return
+    # SDPA with fewer K/V heads runs only as GQA (enable_gqa, or the backend ops that take it implicitly)
+    if not m.k_transposed and as_int(hq) is not None and as_int(ks[1]) is not None and as_int(hq) % as_int(ks[1]) == 0:
+        return
+    raise _Refuse(f"query heads {hq} are neither key/value heads {hk} nor a GQA multiple of them")
 
 
 def _bhsd_copy(graph: Graph, k: Value) -> Value:
@@ -450,84 +508,143 @@ def _with_constants(view: _View, nodes: list[Node], keep: list[Value | None]) ->
     return out
 
 
-def _output_scale(view: _View, out: Value) -> Node | None:
-    users = view.users(out)
-    if len(users) == 1 and users[0].op in ("Mul", "Div") and any(view.scalar(i) is not None for i in users[0].inputs):
-        return users[0]
-    return None
-
-
 # ---- masks ---------------------------------------------------------------------------------------
-def _causal_keep(c: np.ndarray, kind: str, sq: object, skv: object) -> bool:
-    """Whether constant mask `c` (of `kind`) keeps exactly the top-left causal pattern for (sq, skv)."""
-    if not isinstance(sq, int) or not isinstance(skv, int) or c.ndim < 2 or c.shape[-2:] != (sq, skv):
-        return False
-    planes = c.reshape(-1, sq, skv)
-    if not np.all(planes == planes[:1]):
-        return False
-    plane = planes[0]
-    if kind == "add":
-        keep, drop = plane == 0, plane <= NEG_FILL
-        if not np.all(keep | drop):
-            return False
-    else:
-        keep = plane.astype(bool) if kind == "keep" else ~plane.astype(bool)
-    return bool(np.array_equal(keep, np.tril(np.ones((sq, skv), dtype=bool))))
+@dataclass
+class _Term:
+    """One mask applied on the way from Q·K^T to softmax, in chain order.
+
+    kind "add": scores + value; "keep": Where(value, scores, fill); "drop": Where(value, fill, scores)
+    (and masked_fill). `mult` is the product of the scales applied after it (they scale it too).
+    """
+
+    kind: str
+    value: Value
+    at: int
+    fill: float = 0.0
+    mult: float = 1.0
 
 
-def _causal_by_trial(view: _View, m: Value, kind: str, scores: Value) -> bool:
-    """Whether a mask computed from shapes (a tril buffer sliced to the sequence length, an exporter's
-    Trilu of ones) is the top-left causal pattern: evaluated at two sets of concrete sizes."""
-    s = view.shapes.shape(scores)
-    if s is None or len(s) < 2:
-        return False
-    for pool in CAUSAL_TRIALS:
-        sizes = Sizes(pool)
-        data = view.shapes.value_at(m, sizes)
-        if data is None or not _causal_keep(data, kind, concrete(s[-2], sizes), concrete(s[-1], sizes)):
-            return False
-    return True
+@dataclass
+class _Masks:
+    """What FusedAttention gets for the chain's masks (see fused_ops: mask_scale, mask_fill, mask_keeps)."""
+
+    causal: int = 0
+    mask: Value | None = None
+    mask_scale: float = 1.0
+    mask_fill: float = -math.inf
+    mask_keeps: int = 1
 
 
-def _broadcasts(mask: Value, target: tuple[object, ...]) -> bool:
-    if mask.shape is None:
-        return True
-    if len(mask.shape) > len(target):
-        return False
-    for d, t in zip(reversed(mask.shape), reversed(target), strict=False):
-        if isinstance(d, int) and isinstance(t, int) and d not in (1, t):
-            return False  # symbolic dims cannot be proven different
-    return True
+def _fold(chain: list[tuple]) -> tuple[float | None, list[_Term]]:
+    """The scores chain in forward order -> (product of its scales or None, its mask terms): a scale
+    applied after a mask scales the mask too ((S + M) * c = S * c + M * c)."""
+    scale, terms = None, []
+    for i, step in enumerate(chain):
+        if step[0] == "scale":
+            scale = (1.0 if scale is None else scale) * step[1]
+            for t in terms:
+                t.mult *= step[1]
+        elif step[0] == "add":
+            terms.append(_Term("add", step[1], i))
+        else:
+            terms.append(_Term(step[1], step[2], i, fill=step[3]))
+    return scale, terms
 
 
-def _resolve_masks(view: _View, masks: list[tuple[str, Value]], scores: Value) -> tuple[int, Value | None]:
-    """Turn the collected mask terms ("add", "keep" or "drop", value) into (causal, mask input)."""
-    shape = scores.shape or (None,) * 4
-    sq, skv = shape[-2], shape[-1]
-    causal, mask = 0, None
-    for kind, m in masks:
-        c = view.const(m)
-        if _causal_keep(c, kind, sq, skv) if c is not None else _causal_by_trial(view, m, kind, scores):
-            causal = 1
-            continue
-        if kind == "drop":
-            p = view.producer(m)
-            if c is not None:
-                m = Value(view.graph.fresh_name(f"{m.name}_keep"), "bool", m.shape, const=~c.astype(bool))
-            elif p is not None and p.op == "Not":
-                m = p.inputs[0]
-            else:
-                raise _Refuse(f"Where keeps the scores where {m.name} is False: needs an inverted bool mask")
-        if mask is not None:
-            raise _Refuse(f"more than one non-causal mask ({mask.name}, {m.name}); FusedAttention takes one")
-        if kind != "add" and m.dtype not in (None, "bool"):
-            raise _Refuse(f"Where condition {m.name} is {m.dtype}, not bool")
-        if not _broadcasts(m, tuple(shape)):
+def _finite_fill_ok(fill: float, dtype: str | None) -> bool:
+    """A finite causal fill counts as masking when it is finfo.min-like: at least 1/64 of the dtype's
+    range (exact for scores below |fill|/2 in magnitude, see docs/LEGALITY.md)."""
+    np_dtype = {"float16": np.float16, "float64": np.float64}.get(dtype or "", np.float32)
+    return abs(fill) >= float(np.finfo(np_dtype).max) / 64
+
+
+def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: str | None) -> _Masks:
+    """Which terms are provably causal (dropped: causal=1) and which one stays the mask input.
+
+    Causal is proven from structure (passes/masks.py) for every admitted size. A -inf causal fill is
+    exact beside one other mask; a finite (finfo.min) one only alone, since a row whose every earlier
+    key the other mask drops would then weigh the later keys in eager, and no key when fused."""
+    causal, explicit = [], []
+    for t in terms:
+        if t.mult <= 0:
+            raise _Refuse(f"mask {t.value.name} is scaled by {t.mult:g} after it is applied: its fill changes sign")
+        proof = prove_causal(view.masks, t.value, t.kind, shape)
+        fill = None
+        if proof is not None:
+            fill = (proof.fill if t.kind == "add" else t.fill) * t.mult
+            if math.isfinite(fill) and not _finite_fill_ok(fill, dtype):
+                proof = None  # e.g. -1e4: a large score can outweigh it, so it stays an explicit mask
+        if proof is None:
+            explicit.append(t)
+        else:
+            causal.append((t, fill))
+    if len(explicit) > 1:
+        raise _Refuse(
+            f"more than one mask that is not provably causal ({', '.join(t.value.name for t in explicit)}); "
+            "FusedAttention takes one"
+        )
+    for t, fill in causal:
+        if math.isfinite(fill) and len(terms) > 1:  # type: ignore[arg-type]
             raise _Refuse(
-                f"mask {m.name} of shape {_shape_str(m)} does not broadcast to (B,H,Sq,Skv) {_shape_str(scores)}"
+                f"causal mask {t.value.name} fills with the finite {fill:g} beside another mask: a row whose "
+                "earlier keys are all masked would differ (only a -inf causal fill combines)"
             )
-        mask = m
-    return causal, mask
+        late = [e for e in explicit if e.kind != "add" and e.at > t.at and math.isfinite(e.fill * e.mult)]
+        if late:
+            raise _Refuse(
+                f"Where {late[0].value.name} after the causal mask {t.value.name} overwrites its -inf with the "
+                f"finite {late[0].fill * late[0].mult:g}"
+            )
+    out = _Masks(causal=int(bool(causal)))
+    if explicit:
+        out.mask, out.mask_scale, out.mask_fill = _mask_input(view, explicit[0], shape)
+        out.mask_keeps = int(explicit[0].kind != "drop")
+    return out
+
+
+def _mask_input(view: _View, t: _Term, shape: Shape | None) -> tuple[Value, float, float]:
+    """(mask input, mask_scale, mask_fill) for the explicit term: a bool mask with its fill (which of its
+    values keeps is the term's kind), or an additive mask with the scale applied after it."""
+    m = t.value
+    if t.kind != "add" and m.dtype not in (None, "bool"):
+        raise _Refuse(f"Where condition {m.name} is {m.dtype}, not bool")
+    if t.kind == "add" and m.dtype == "bool":
+        raise _Refuse(f"mask {m.name} is bool but added to the scores")
+    problem = _broadcast_problem(view, m, shape)
+    if problem:
+        raise _Refuse(problem)
+    _declare_broadcast_dims(view, m)
+    if t.kind == "add":
+        return m, t.mult, -math.inf
+    return m, 1.0, t.fill * t.mult
+
+
+def _declare_broadcast_dims(view: _View, m: Value) -> None:
+    """Write the mask's proven size-1 dims into its declared shape: the kernels (and the native ORT
+    library's binding) take their broadcast flags from it."""
+    proven = view.shapes.shape(m)
+    if m.shape is not None and proven is not None and len(proven) == len(m.shape):
+        m.shape = tuple(1 if d == 1 else declared for d, declared in zip(proven, m.shape, strict=True))
+
+
+def _broadcast_problem(view: _View, m: Value, scores: Shape | None) -> str | None:
+    """Why mask `m` may not broadcast to the scores (B,H,Sq,Skv) the way the kernel reads it: each of
+    its dims must be declared 1 (broadcast) or provably the scores' (a dim of another name or an
+    unknown one could be 1 at run time, which the kernels' static broadcast flags would misread)."""
+    ms = view.shapes.shape(m)
+    if ms is None or scores is None or m.shape is None or len(ms) != len(m.shape):
+        return f"mask {m.name} has an unknown shape"
+    if len(ms) > len(scores):
+        return f"mask {m.name} of rank {len(ms)} does not broadcast to the rank-{len(scores)} scores"
+    for i, (d, declared) in enumerate(zip(ms, m.shape, strict=True)):
+        sd = scores[len(scores) - len(ms) + i]
+        if declared == 1 or d == 1 or aligned(d, sd):
+            continue
+        return (
+            f"mask {m.name} of shape {_shape_str(m)} does not provably broadcast to (B,H,Sq,Skv) "
+            f"({', '.join(map(str, scores))}): its axis {i} is neither 1 nor the scores' {sd}"
+        )
+    return None
 
 
 # ---- decomposed attention (anchored at Softmax) ---------------------------------------------------
@@ -634,8 +751,8 @@ def _dropout_training(n: Node, view: _View) -> bool | None:
 
 
 def _nan_guard(view: _View, p: Value, users: list[Node]) -> list[Node]:
-    """Where(IsNaN(p), 0, p): the dynamo exporter's zeroing of fully masked rows, which is exactly
-    what FusedAttention defines for them. Returns [IsNaN, Where] or []."""
+    """Where(IsNaN(p), 0, p): the dynamo exporter's zeroing of NaN probabilities (fully masked rows, and
+    rows with a NaN score): FusedAttention's guard "nan". Returns [IsNaN, Where] or []."""
     if len(users) != 2 or view.is_output(p):
         return []
     isnan = next((u for u in users if u.op == "IsNaN"), None)
@@ -649,7 +766,7 @@ def _nan_guard(view: _View, p: Value, users: list[Node]) -> list[Node]:
 
 def _row_guard(view: _View, sm: Node) -> list[Node]:
     """Where(Not(any(Not(scores == -inf), -1)), full_like(p, 0), p): decomposed SDPA's zeroing of fully
-    masked rows (FusedAttention's definition for them). Returns its nodes, the Where last, or []."""
+    masked rows (FusedAttention's guard "masked"). Returns its nodes, the Where last, or []."""
     scores, p = sm.inputs[0], sm.outputs[0]
     users = view.users(p)
     where = next((u for u in users if u.op == "Where" and u.inputs[2] is p), None)
@@ -673,20 +790,21 @@ def _row_guard(view: _View, sm: Node) -> list[Node]:
     return [*chain, fill, where]
 
 
-def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node]]:
-    """From the softmax output (or `start`, after a row guard) to the ·V MatMul: (MatMul, absorbed nodes)."""
-    cur, nodes = start, []
+def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node], bool]:
+    """From the softmax output (or `start`, after a row guard) to the ·V MatMul: (MatMul, absorbed nodes,
+    whether a NaN guard zeroes NaN probabilities on the way)."""
+    cur, nodes, nan_guard = start, [], False
     while True:
         users = view.users(cur)
         guard = _nan_guard(view, cur, users)
         if guard:
             nodes += guard
-            cur = guard[-1].outputs[0]
+            cur, nan_guard = guard[-1].outputs[0], True
             continue
         pv = [u for u in users if u.op == "MatMul" and u.inputs[0] is cur]
         mm = _forward_bmm(view, cur) if len(users) == 1 and not pv else None
         if mm is not None:
-            return mm, nodes
+            return mm, nodes, nan_guard
         if len(users) != 1 or view.is_output(cur):
             if pv or any(u.op in ("Cast", "Identity", "Dropout") for u in users):
                 who = next((u.name for u in users if u not in pv), "the graph output")
@@ -694,10 +812,11 @@ def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node]]:
             raise _Miss
         u = users[0]
         if pv:
-            return _as_matmul(view, u), nodes  # type: ignore[return-value]
+            return _as_matmul(view, u), nodes, nan_guard  # type: ignore[return-value]
         training = _dropout_training(u, view)
         if training:
             raise _Refuse(f"dropout {u.name} is active (training mode) between softmax and ·V")
+        _check_cast(u, "between softmax and ·V")
         if training is None and u.op not in ("Cast", "Identity") and u.op not in PASS_THROUGH:
             nxt = view.users(u.outputs[0]) if u.outputs else []
             if any(n.op == "MatMul" and n.inputs[0] is u.outputs[0] for n in nxt):
@@ -707,14 +826,19 @@ def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node]]:
         cur = u.outputs[0]
 
 
-def _scores_chain(
-    view: _View, sm: Node, guard: list[Node]
-) -> tuple[_Mm, list[Node], list[tuple[str, Value]], float | None]:
-    """From the softmax input back to Q·K^T: (MatMul, absorbed nodes, mask terms, scale or None)."""
+def _check_cast(n: Node, where: str) -> None:
+    """A Cast on the scores or probabilities may change precision (FusedAttention computes in float32 or
+    float64), never the kind of number: a cast to an integer or bool truncates."""
+    if n.op == "Cast" and n.attrs.get("to") not in FLOAT_DTYPES:
+        raise _Refuse(f"Cast {n.name} to {n.attrs.get('to')} {where} is not a float cast")
+
+
+def _scores_chain(view: _View, sm: Node, guard: list[Node]) -> tuple[_Mm, list[Node], list[tuple]]:
+    """From the softmax input back to Q·K^T: (MatMul, absorbed nodes, the chain's steps in forward
+    order: ("scale", c), ("add", mask) or ("where", "keep" | "drop", condition, fill))."""
     cur, consumer = sm.inputs[0], sm
     nodes: list[Node] = []
-    masks: list[tuple[str, Value]] = []
-    scale: float | None = None
+    chain: list[tuple] = []
     while True:
         p = view.producer(cur)
         if p is None:
@@ -723,18 +847,17 @@ def _scores_chain(
             raise _Refuse(f"attention scores {cur.name} are also used by {view.other_user(cur, consumer)}")
         mm = _as_matmul(view, p)
         if mm is not None:
-            return mm, nodes, masks, scale
+            return mm, nodes, chain[::-1]
         nodes.append(p)
         if p.op in ("Cast", "Identity"):
+            _check_cast(p, "between Q·K^T and softmax")
             nxt = p.inputs[0]
         elif p.op == "Add":
             lead = [_leads_to_matmul(view, i) for i in p.inputs]
             if lead[0] == lead[1]:
                 raise _Refuse(f"cannot tell the scores from the mask in {p.name}: both or neither come from a MatMul")
             nxt, m = (p.inputs[0], p.inputs[1]) if lead[0] else (p.inputs[1], p.inputs[0])
-            if scale is not None and not _causal_const(view, m, cur):
-                raise _Refuse(f"the scale is applied after the mask {m.name}, which it would scale too")
-            masks.append(("add", m))
+            chain.append(("add", m))
         elif p.op == "Where":
             cond, a, b = p.inputs
             fa, fb = view.scalar(a), view.scalar(b)
@@ -744,32 +867,27 @@ def _scores_chain(
                 nxt, fill, kind = b, fa, "drop"
             else:
                 raise _Refuse(f"Where {p.name} does not select between the scores and a constant fill")
-            if fill > NEG_FILL:
-                raise _Refuse(f"Where {p.name} fills masked scores with {fill}, not -inf (or a large negative)")
-            masks.append((kind, cond))
+            chain.append(("where", kind, cond, fill))
+        elif p.op == "aten::masked_fill" and isinstance(p.attrs.get("value"), int | float):
+            nxt = p.inputs[0]
+            chain.append(("where", "drop", p.inputs[1], float(p.attrs["value"])))
         elif p.op in ("Mul", "Div"):
             c, nxt = view.scalar(p.inputs[1]), p.inputs[0]
             if c is None and p.op == "Mul":
                 c, nxt = view.scalar(p.inputs[0]), p.inputs[1]
             if c is None or c == 0:
                 raise _Refuse(f"{p.op} {p.name} on the scores is not by a constant scalar")
-            scale = (1.0 if scale is None else scale) * (c if p.op == "Mul" else 1.0 / c)
+            chain.append(("scale", c if p.op == "Mul" else 1.0 / c))
         else:
             raise _Refuse(f"unsupported {p.op} {p.name} between Q·K^T and softmax")
         cur, consumer = nxt, p
 
 
-def _causal_const(view: _View, m: Value, scores: Value) -> bool:
-    c = view.const(m)
-    shape = scores.shape or (None, None)
-    return c is not None and _causal_keep(c, "add", shape[-2], shape[-1])
-
-
 def _match_softmax(view: _View, sm: Node) -> _Match:
     if not _leads_to_matmul(view, sm.inputs[0]):
         raise _Miss
-    guard = _row_guard(view, sm)
-    pv, post = _probs_chain(view, sm, guard[-1].outputs[0] if guard else sm.outputs[0])
+    row_guard = _row_guard(view, sm)
+    pv, post, nan_guard = _probs_chain(view, sm, row_guard[-1].outputs[0] if row_guard else sm.outputs[0])
     rank = sm.inputs[0].rank
     if rank is not None and rank < 3:
         raise _Miss  # no heads: a classifier head, not attention
@@ -778,41 +896,48 @@ def _match_softmax(view: _View, sm: Node) -> _Match:
         raise _Refuse(f"softmax over axis {axis}, not the last (key) axis")
     if rank != 4:
         raise _Refuse(f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)")
-    qk, pre, masks, scale = _scores_chain(view, sm, guard)
+    qk, pre, chain = _scores_chain(view, sm, row_guard)
     if sm.attrs.get("dtype") is not None and not qk.out.dtype == pv.a.dtype == pv.out.dtype:
         raise _Refuse(
             f"softmax {sm.name} computes in {sm.attrs['dtype']} and the probabilities reach ·V as "
             f"{pv.a.dtype} (·V result {pv.out.dtype}), not cast back to the Q·K^T dtype {qk.out.dtype}: "
             f"FusedAttention returns {qk.out.dtype}"
         )
-    causal, mask = _resolve_masks(view, masks, qk.out)
+    scale, terms = _fold(chain)
     return _Match(
-        nodes=[*pre, *qk.nodes, sm, *guard, *post, *pv.nodes],
+        nodes=[*pre, *qk.nodes, sm, *row_guard, *post, *pv.nodes],
         q=_peel(view, qk.a, qk.a_reader, allow_scale=True),
         k=_peel(view, qk.b, qk.b_reader, allow_scale=True),
         v=_peel(view, pv.b, pv.b_reader, allow_scale=False),
-        out=pv.out, scale=scale, causal=causal, mask=mask, k_transposed=True,
+        out=pv.out, scale=scale, masks=_resolve_masks(view, terms, view.shapes.shape(qk.out), qk.out.dtype),
+        k_transposed=True,
+        guard="nan" if nan_guard else "masked" if row_guard else "none",
     )
 
 
 # ---- canonical ScaledDotProductAttention ------------------------------------------------------------
 def _match_sdpa(view: _View, n: Node) -> _Match:
+    """torch's SDPA: softmax(Q K^T * scale + mask) V, a bool mask keeping where True, is_causal top-left,
+    rows with every key masked giving 0 (its safe softmax: guard "masked"), fewer K/V heads as GQA."""
     q, k, v, mask = [*n.inputs, None, None][:4]
     if float(n.attrs.get("dropout_p", 0.0) or 0.0) > 0:
         raise _Refuse(f"dropout_p={n.attrs['dropout_p']} (training) in {n.name}")
     scale = n.attrs.get("scale") or 0.0
-    causal = int(bool(n.attrs.get("is_causal", 0)))
-    if mask is not None and q.shape is not None and k.shape is not None and q.rank == 4:
-        scores = Value("scores", None, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
-        c_causal, mask = _resolve_masks(view, [("keep" if mask.dtype == "bool" else "add", mask)], scores)
-        causal |= c_causal
+    masks = _Masks(causal=int(bool(n.attrs.get("is_causal", 0))))
+    if mask is not None:
+        qs, ks = view.shapes.shape(q), view.shapes.shape(k)
+        if qs is None or ks is None or len(qs) != 4 or len(ks) != 4:
+            raise _Refuse(f"Q/K of {n.name} are not 4-D with known rank: cannot place the mask")
+        term = _Term("keep" if mask.dtype == "bool" else "add", mask, 0, -math.inf)
+        found = _resolve_masks(view, [term], (qs[0], qs[1], qs[2], ks[2]), q.dtype)
+        masks = replace(found, causal=found.causal | masks.causal)
     return _Match(
         nodes=[n],
         q=_peel(view, q, n, allow_scale=False),
         k=_peel(view, k, n, allow_scale=False),
         v=_peel(view, v, n, allow_scale=False),
-        out=n.outputs[0], scale=float(scale) if scale > 0 else None, causal=causal, mask=mask,
-        k_transposed=False,
+        out=n.outputs[0], scale=float(scale) if scale > 0 else None, masks=masks, k_transposed=False,
+        guard="masked",
     )
 
 
@@ -820,10 +945,12 @@ def _match_sdpa(view: _View, n: Node) -> _Match:
 def fuse_attention(graph: Graph, result: PassResult) -> None:
     """Fuse every decomposed or canonical scaled-dot-product attention into FusedAttention."""
     anchors = [n for n in graph.nodes if n.op in ("Softmax", "ScaledDotProductAttention") and not n.domain]
+    view = _View(graph)
     for anchor in anchors:
         if not any(n is anchor for n in graph.nodes):
             continue
-        view = _View(graph)
+        view.refresh()
+        view.pending.clear()
         try:
             m = _match_softmax(view, anchor) if anchor.op == "Softmax" else _match_sdpa(view, anchor)
             _fuse_match(view, m, result, anchor)

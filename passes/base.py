@@ -3,6 +3,11 @@
 A fusion rule reads like the math (after onnxscript's rewriter): find candidate anchors, `check`
 each match and return a refusal reason string for a near miss, else `rewrite` it with `fuse`.
 Reasons are kept so that the report can say why a near match was not fused.
+
+Every condition a rewrite relies on must hold for every shape and value the graph admits: prove it
+from the graph's structure (passes/shapes.py for dims, passes/masks.py for masks), never by trying
+sizes; where it cannot be proved, keep the general form or refuse with the reason. The discipline,
+and FusedAttention's exact semantics: docs/LEGALITY.md.
 """
 
 from __future__ import annotations
@@ -10,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import networkx as nx
 
 from tkopt.fused_ops import schema
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
@@ -63,15 +66,19 @@ def legality_problem(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Valu
             if (outside or graph.is_output(v)) and id(v) not in wanted:
                 who = outside[0].name if outside else "the graph output"
                 return f"intermediate {v.name} (from {n.name}) is also used by {who}"
-    g = graph.to_networkx()
-    member = set(nodes)
-    for n in nodes:
-        for succ in g.successors(n):
-            if succ in member:
-                continue
-            reach = nx.descendants(g, succ)
-            if reach & member:
-                return f"path leaves the match at {succ.name} and re-enters it"
+    # One walk forward from every node the match feeds: reaching the match again is a cycle.
+    exits = {id(u): u for n in nodes for v in n.outputs for u in users.get(id(v), []) if id(u) not in inside}
+    stack = [(u, u) for u in exits.values()]  # (node, where the path left the match)
+    seen = set(exits)
+    while stack:
+        n, left_at = stack.pop()
+        for v in n.outputs:
+            for u in users.get(id(v), []):
+                if id(u) in inside:
+                    return f"path leaves the match at {left_at.name} and re-enters it"
+                if id(u) not in seen:
+                    seen.add(id(u))
+                    stack.append((u, left_at))
     return None
 
 
@@ -95,14 +102,15 @@ def fuse(
 
     The fused node takes the original output Values themselves, so every reader keeps working.
     An optional output that is unused is passed as None by the caller and dropped here.
-    Raises FusionError (with the legality reason) if the set cannot be fused.
+    Raises FusionError (with the reason) if the set cannot be fused: dtypes the op does not declare,
+    or a dataflow problem (`legality_problem`). Every fusion goes through here, so these two hold for all.
     """
     s = schema(op)
-    problem = legality_problem(graph, nodes, [v for v in outputs if v is not None])
-    if problem:
-        raise FusionError(problem)
     if len(inputs) != len(s.inputs):
         raise ValueError(f"{op} takes {len(s.inputs)} inputs {s.inputs}, got {len(inputs)}")
+    problem = s.dtype_problem(inputs, outputs) or legality_problem(graph, nodes, [v for v in outputs if v is not None])
+    if problem:
+        raise FusionError(problem)
     for name, v in zip(s.inputs, inputs, strict=True):
         if v is None and name not in s.optional_inputs:
             raise ValueError(f"{op}: input {name} is required")

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .patterns import GraphIndex, const_scalar, is_op, is_vector_of, may_broadcast, other_input, same_shape
+from .patterns import GraphIndex, const_scalar, is_op, is_vector_of, other_input
 from .pipeline import register
+from .shapes import shape_mismatch
 
 MATMUL_OPS = ("MatMul", "Gemm", "Linear")
 SIMPLE_ACTIVATIONS = {"Relu": "relu", "Silu": "silu", "Sigmoid": "sigmoid"}
@@ -113,7 +114,7 @@ def _match_node(ix: GraphIndex, node: Node, result: PassResult | None) -> Base |
     if c is not None:
         if is_vector_of(c, base.n):
             base.bias = c
-        elif same_shape(c, base.out):
+        elif shape_mismatch(ix.shapes, c, base.out) is None:
             base.residual = c
         else:
             if result is not None:
@@ -155,7 +156,10 @@ def _take_residual(ix: GraphIndex, base: Base) -> None:
         return
     add = ix.sole_user(base.out, "Add")
     r = add and other_input(add, base.out)
-    if r is not None and r is not base.out and not may_broadcast(r, base.out) and not may_broadcast(add.outputs[0], r):
+    shapes = ix.shapes
+    if r is not None and r is not base.out and shape_mismatch(shapes, r, add.outputs[0]) is None and shape_mismatch(
+        shapes, base.out, add.outputs[0]
+    ) is None:
         base.nodes.append(add)
         base.residual, base.out = r, add.outputs[0]
 

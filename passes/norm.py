@@ -12,8 +12,9 @@ import numpy as np
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .patterns import GraphIndex, is_last_axis, is_op, last_dim, may_broadcast
+from .patterns import GraphIndex, is_last_axis, is_op, last_dim
 from .pipeline import register
+from .shapes import shape_mismatch
 
 KINDS = {"LayerNormalization": "layer", "RMSNormalization": "rms"}
 
@@ -39,14 +40,16 @@ def _ones(ix: GraphIndex, p: Value | None, norm: Node) -> bool:
 
 
 def _residual(ix: GraphIndex, x: Value, result: PassResult, norm: Node) -> Node | None:
-    """The residual Add producing x, if it adds two same-shaped activations (refused if it broadcasts)."""
+    """The residual Add producing x, if it provably adds two same-shaped activations (refused if it may
+    broadcast: the kernel adds row by row)."""
     add = ix.producer(x, "Add")
     if add is None:
         return None
     a, b = add.inputs[0], add.inputs[1]
     if a is None or b is None or a.const is not None or b.const is not None:
         return None  # a bias or constant shift: not a residual; the GEMM pass takes a bias
-    problem = may_broadcast(a, x) or may_broadcast(b, x)
+    shapes = ix.shapes
+    problem = shape_mismatch(shapes, a, x) or shape_mismatch(shapes, b, x)
     if problem:
         result.refuse(norm, f"residual Add {add.name} not fused ({problem}): normalized without the add")
         return None
@@ -86,7 +89,11 @@ def _fuse_norm(graph: Graph, ix: GraphIndex, norm: Node, result: PassResult) -> 
             return True
         except FusionError as e:
             result.refuse(norm, f"residual Add {add.name} not fused: {e}")
-    fuse(graph, [norm], "FusedAddNorm", [x, None, weight, bias], [norm.outputs[0]], attrs)
+    try:
+        fuse(graph, [norm], "FusedAddNorm", [x, None, weight, bias], [norm.outputs[0]], attrs)
+    except FusionError as e:
+        result.refuse(norm, f"{norm.op} not fused: {e}")
+        return False
     return True
 
 

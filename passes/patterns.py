@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
 
 from .base import FusionError, flatten_replaced, legality_problem
+
+if TYPE_CHECKING:
+    from .shapes import Shapes
 
 # Ops that only pass a value through (Cast is one when it casts to the value's own dtype).
 PASS_THROUGH = ("Identity", "Cast")
@@ -27,12 +30,24 @@ class GraphIndex:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
+        self._shapes: Shapes | None = None
         self.refresh()
 
     def refresh(self) -> None:
+        """Re-read producers and users after a rewrite. Symbolic shapes stay cached: a rewrite keeps every
+        Value it leaves in the graph, and a Value's shape does not depend on which node produces it."""
         self._prod = self.graph.producers()
         self._users = self.graph.user_map()
         self._outs = {id(v) for v in self.graph.outputs}
+
+    @property
+    def shapes(self) -> Shapes:
+        """The graph's symbolic shapes (passes/shapes.py's Shapes), built on first use."""
+        if self._shapes is None:
+            from .shapes import Shapes  # shapes.py builds on this index
+
+            self._shapes = Shapes(self)
+        return self._shapes
 
     def producer(self, value: Value | None, op: str | Iterable[str] | None = None) -> Node | None:
         """The node producing `value`, if there is one and (when `op` is given) it is that op."""
@@ -191,32 +206,6 @@ def trailing_axes(axes: Sequence[int] | int | None, rank: int | None) -> int | N
 
 def is_last_axis(axis: int | None, rank: int | None) -> bool:
     return axis is not None and (axis == -1 or (rank is not None and axis == rank - 1))
-
-
-def same_shape(a: Value | None, b: Value | None) -> bool:
-    """Both shapes known and equal dim by dim (symbolic dims equal by name; unknown dims never)."""
-    if a is None or b is None or a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
-        return False
-    return all(x is not None and x == y for x, y in zip(a.shape, b.shape, strict=True))
-
-
-def may_broadcast(a: Value | None, b: Value | None) -> str | None:
-    """Why `a` and `b` might not have one shape (None: same rank, no dim provably differs).
-
-    Symbolic and unknown dims are taken to match anything but a literal 1: exporters' shape
-    inference often names one runtime dim twice (batch vs unk__3), and an elementwise op of
-    two activations with equal rank does not broadcast in practice, while a literal 1 does.
-    """
-    if a is None or b is None or a.shape is None or b.shape is None:
-        return "shapes unknown"
-    if len(a.shape) != len(b.shape):
-        return f"ranks differ ({a.shape} vs {b.shape})"
-    for x, y in zip(a.shape, b.shape, strict=True):
-        if x == y:
-            continue
-        if isinstance(x, int) and isinstance(y, int) or x == 1 or y == 1:
-            return f"shapes {a.shape} and {b.shape} broadcast"
-    return None
 
 
 def squeezed_shape(shape: Sequence[Dim] | None) -> tuple[Dim, ...] | None:

@@ -130,6 +130,59 @@ def test_cpu_bool_mask_fully_masked_rows_are_zero():
     assert _rel(out, _ref(q, k, v, mask=fmask, causal=True)) < 1e-5
 
 
+def _assert_same(out, ref, tol=1e-5):
+    """Equal up to rounding, NaN positions included."""
+    torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_cpu_mask_scale_and_finite_fills():
+    """(S + M) * c (mask_scale), and a bool mask's finite fill: a row whose every key is masked weighs them
+    all equally (eager's softmax of equal finite values), finfo.min included (no overflow to -inf)."""
+    torch.manual_seed(8)
+    q, k, v = _qkv(2, 4, 2, 13, 29, 16)
+    m = torch.randn(2, 1, 13, 29) * 3
+    _assert_same(flash_attention(q, k, v, mask=m, scale=0.3, mask_scale=0.3),
+                 _ref(q, k, v, mask=m, scale=0.3, mask_scale=0.3))
+    keep = torch.rand(2, 1, 13, 29) > 0.5
+    keep[0, 0, 4] = False  # every key masked
+    for fill in (-1e4, float(torch.finfo(torch.float32).min)):
+        out = flash_attention(q, k, v, mask=keep, mask_fill=fill, causal=True)
+        _assert_same(out, _ref(q, k, v, mask=keep, mask_fill=fill, causal=True))
+        # masked_fill's mask: True masks (mask_keeps=False)
+        _assert_same(flash_attention(q, k, v, mask=~keep, mask_fill=fill, causal=True, mask_keeps=False), out)
+        uniform = v[0].repeat_interleave(2, 0)[:, :5].mean(1)  # causal row 4: keys 0..4, all masked
+        torch.testing.assert_close(out[0, :, 4], uniform, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("guard", ["none", "masked", "nan"])
+def test_cpu_guards_fully_masked_rows_and_nan(guard):
+    """A row with every key masked: NaN (plain softmax), 0 (SDPA), 0 (NaN guard); a NaN score: NaN unless the
+    NaN guard zeroes it. Elsewhere NaN propagates as in eager."""
+    torch.manual_seed(9)
+    q, k, v = _qkv(1, 2, 2, 6, 37, 8)
+    q[0, 1, 2, 0] = float("nan")  # head 1, row 2: a NaN score in every key
+    keep = torch.rand(1, 1, 6, 37) > 0.3
+    keep[..., 3, :] = False  # row 3: every key masked
+    out = flash_attention(q, k, v, mask=keep, guard=guard)
+    ref = _ref(q, k, v, mask=keep, guard=guard)
+    _assert_same(out, ref)
+    assert out[0, :, 3].isnan().all() == (guard == "none") and (out[0, :, 3] == 0).all() == (guard != "none")
+    assert out[0, 1, 2].isnan().all() == (guard != "nan")
+    assert not out[0, 0, [0, 1, 2, 4, 5]].isnan().any() and not out[0, 1, [0, 1, 4, 5]].isnan().any()
+
+
+def test_cpu_float64_mask_keeps_its_range():
+    """A float64 additive mask of finfo(float64).min stays finite (read as float32 it would be -inf): a fully
+    masked row weighs its keys equally, as eager does, instead of giving 0."""
+    torch.manual_seed(10)
+    q, k, v = _qkv(1, 2, 2, 5, 9, 8, dtype=torch.float64)
+    m = torch.zeros(1, 1, 5, 9, dtype=torch.float64)
+    m[..., 2, :] = torch.finfo(torch.float64).min
+    out = flash_attention(q, k, v, mask=m)
+    _assert_same(out, flash_attention_ref(q, k, v, mask=m), tol=1e-12)
+    torch.testing.assert_close(out[0, :, 2], v.mean(2)[0])
+
+
 def test_cpu_scale_float64_and_head_dims():
     torch.manual_seed(7)
     q, k, v = _qkv(1, 2, 2, 17, 19, 48, dtype=torch.float64)
@@ -178,8 +231,9 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ---------------------------------------------------------------------- CUDA lowering + nvcc (no GPU)
-# (arch, dtype, dim, heads_q, heads_kv, causal, layouts, mask_kind, mask_bcast, config overrides)
+# (arch, dtype, dim, heads_q, heads_kv, causal, layouts, mask_kind, mask_bcast, config overrides[, semantics])
 # sm90 defaults to the pipelined schedule; one case keeps the plain one (each case is ~10-25 s here).
+# semantics: gpu_program's mask_scale / mask_fill / guard (a finite fill, a scaled mask, NaN rows).
 LOWER_CASES = {
     "sm90-f16-d128-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bhsd",) * 4, None, (False,) * 4, {}),
     "sm90-bf16-d64-boolmask-mixed": ("sm90", "bfloat16", 64, 4, 2, False, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
@@ -188,6 +242,11 @@ LOWER_CASES = {
                                          (False, True, False, False), {"pipelined": False}),
     "sm80-f16-d128-boolmask-gqa": ("sm80", "float16", 128, 8, 2, True, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
                                    (False, True, True, False), {}),
+    "sm90-f16-d64-finitefill-nanguard": ("sm90", "float16", 64, 4, 4, False, ("bhsd",) * 4, "bool",
+                                         (False, True, False, False), {},
+                                         {"mask_fill": -1e4, "guard": "nan", "mask_keeps": False}),
+    "sm80-bf16-d64-scaledmask-noneguard": ("sm80", "bfloat16", 64, 4, 2, True, ("bhsd",) * 4, "add",
+                                           (False, True, False, False), {}, {"mask_scale": 0.125, "guard": "none"}),
 }  # fmt: skip
 
 
@@ -196,8 +255,9 @@ def _config(arch, dim, overrides):
 
 
 def _lower(case):
-    arch, dtype, dim, hq, hkv, causal, layouts, mk, bc, overrides = case
-    func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **_config(arch, dim, overrides))
+    arch, dtype, dim, hq, hkv, causal, layouts, mk, bc, overrides, *semantics = case
+    func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **(semantics[0] if semantics else {}),
+                         **_config(arch, dim, overrides))
     from tilelang import tvm
 
     with tvm.transform.PassContext(config=A._pass_configs(arch)):
@@ -211,7 +271,7 @@ def lowered():
 
 @pytest.mark.parametrize("name", list(LOWER_CASES))
 def test_cuda_lowers_and_nvcc_compiles(lowered, name):
-    arch, dim, overrides = LOWER_CASES[name][0], LOWER_CASES[name][2], LOWER_CASES[name][-1]
+    arch, dim, overrides = LOWER_CASES[name][0], LOWER_CASES[name][2], LOWER_CASES[name][9]
     src = lowered[name]
     if arch == "sm90":
         assert "wgmma" in src and "tma_load" in src, "sm90 variant should use wgmma and TMA"
@@ -238,7 +298,7 @@ def _sass(cubin: str) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
-@pytest.mark.parametrize("name", [n for n, c in LOWER_CASES.items() if _config(c[0], c[2], c[-1]).get("pipelined")])
+@pytest.mark.parametrize("name", [n for n, c in LOWER_CASES.items() if _config(c[0], c[2], c[9]).get("pipelined")])
 def test_pipelined_schedule_overlaps_and_is_not_serialized(lowered, name):
     """The pipelined schedule's invariants, on the lowered source, ptxas' report and (where cuobjdump is
     installed) the SASS:
@@ -385,3 +445,41 @@ def test_gpu_dynamic_lengths_share_one_kernel():
         ref = flash_attention_ref(q.float(), k.float(), v.float())
         assert _rel(out, ref) < 1e-2
     assert A.compile_gpu.cache_info().misses == misses
+
+
+# (mask kind, mask_scale, mask_fill, guard, causal, mask_keeps): what FusedAttention reproduces from graphs
+GPU_SEMANTICS = {
+    "finite-fill-rows": ("bool", 1.0, -1e4, "masked", True, True),
+    "finfo-fill": ("bool", 1.0, float(torch.finfo(torch.float32).min), "none", False, True),
+    "scaled-mask": ("add", 0.125, float("-inf"), "masked", False, True),
+    "nan-rows": ("bool", 1.0, float("-inf"), "none", False, True),
+    "nan-guard-masked-fill": ("bool", 1.0, float("-inf"), "nan", True, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_SEMANTICS))
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+def test_gpu_semantics_match_reference(variant, case):
+    """Finite fills (a fully masked row weighs its keys equally), a scaled additive mask, NaN rows under plain
+    softmax and the NaN guard, masked_fill's mask (True masks), on both archs (fp16, D=64, lengths not
+    multiples of a tile)."""
+    major, _ = torch.cuda.get_device_capability()
+    if variant == "sm90" and major != 9:
+        pytest.skip("sm90 variant needs a Hopper GPU")
+    kind, mask_scale, fill, guard, causal, keeps = GPU_SEMANTICS[case]
+    torch.manual_seed(11)
+    q, k, v = _qkv(2, 4, 2, 150, 211, 64, dtype=torch.float16, device="cuda")
+    if kind == "add":
+        mask = torch.randn(2, 1, 150, 211, device="cuda") * 4
+    else:
+        mask = torch.rand(2, 1, 150, 211, device="cuda") > 0.4
+        mask[0, 0, 7] = False  # every key of row 7 masked
+        mask[1, 0, 140:] = False  # rows in the last query block
+    if guard == "nan":
+        q[1, 2, 33, 5] = float("nan")
+    kw = dict(causal=causal, mask=mask, mask_scale=mask_scale, mask_fill=fill, guard=guard, mask_keeps=keeps)
+    out = flash_attention(q, k, v, arch=variant, **kw)
+    torch.cuda.synchronize()
+    ref = flash_attention_ref(q.float(), k.float(), v.float(), **kw)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2, equal_nan=True)

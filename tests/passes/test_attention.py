@@ -236,15 +236,22 @@ def test_causal_additive_constant(fill: float) -> None:
     assert node.inputs[3] is None
 
 
-def test_causal_where_tril_buffer_plus_padding_mask_gpt2_form() -> None:
+@pytest.mark.parametrize("fill", [NEG_INF, float(np.finfo(np.float32).min)])
+def test_causal_where_tril_buffer_plus_padding_mask_gpt2_form(fill: float) -> None:
+    """A -inf causal Where beside a padding mask: causal=1 plus the mask. A finite (finfo.min) one is refused:
+    a row whose earlier keys the padding all drops weighs the later keys in eager (tests/passes/
+    test_attention_legality.py shows the difference)."""
     b = _Builder()
     q, k, v = _qkv(b, sq=11)
     tril = b.const("bias", np.tril(np.ones((11, 11), bool))[None, None])
     pad = b.input("pad", B, 1, 1, 11)
     s = b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D))))
-    s = b.op("Where", tril, s, b.const("minval", np.float32(np.finfo(np.float32).min)))
-    node = _one(*b.run(_attend(b, b.op("Add", s, pad), v)), causal=1)
-    assert node.inputs[3] is pad
+    s = b.op("Where", tril, s, b.const("minval", np.float32(fill)))
+    result, fused = b.run(_attend(b, b.op("Add", s, pad), v))
+    if fill == NEG_INF:
+        assert _one(result, fused, causal=1).inputs[3] is pad
+    else:
+        _refused(result, fused, "causal mask bias fills with the finite -3.40282e+38 beside another mask")
 
 
 def test_causal_from_computed_constant_is_absorbed() -> None:
@@ -294,13 +301,17 @@ def test_bool_mask_where() -> None:
     assert node.inputs[3] is cond
 
 
-def test_masked_fill_form_takes_the_un_negated_mask() -> None:
+@pytest.mark.parametrize("negated", [True, False])
+def test_masked_fill_form_keeps_where_the_mask_is_false(negated: bool) -> None:
+    """Where(m, -inf, scores) (masked_fill): the mask input is m itself, mask_keeps=0 (m == 0 from a padding
+    input, or Not(keep), need no new node)."""
     b = _Builder()
     q, k, v = _qkv(b)
     keep = b.bool_input("keep", B, 1, 1, 13)
-    s = b.op("Where", b.op("Not", keep), b.const("ninf", np.float32(NEG_INF)), _scores(b, q, k))
-    node = _one(*b.run(_attend(b, s, v)))
-    assert node.inputs[3] is keep
+    m = b.op("Not", keep) if negated else b.op("Equal", b.op("Cast", keep, to="float32"), b.const("z", np.float32(0)))
+    s = b.op("Where", m, b.const("ninf", np.float32(NEG_INF)), _scores(b, q, k))
+    node = _one(*b.run(_attend(b, s, v)), mask_keeps=0)
+    assert node.inputs[3] is m
 
 
 def test_casts_around_softmax_llama_form() -> None:
@@ -430,18 +441,21 @@ def test_refuse_mask_after_softmax() -> None:
     _refused(*b.run(b.op("MatMul", p, v)), "a mask added after softmax")
 
 
-def test_refuse_scale_on_v() -> None:
+def test_unscaled_with_scale_on_v_keeps_it_outside() -> None:
+    """Unscaled attention (T5) whose V is scaled: scale 1, and the Mul on V stays a node of its own."""
     b = _Builder()
     q, k, v = _qkv(b)
     vs = b.op("Mul", v, b.const("c", np.float32(0.35)))
-    _refused(*b.run(_attend(b, _scores(b, q, k), vs)), "scale applied to V or the output")
+    node = _one(*b.run(_attend(b, _scores(b, q, k), vs)), scale=1.0)
+    assert node.inputs[2] is vs
 
 
-def test_refuse_scale_on_output() -> None:
+def test_unscaled_with_scale_on_output_keeps_it_outside() -> None:
     b = _Builder()
     q, k, v = _qkv(b)
     out = b.op("Div", _attend(b, _scores(b, q, k), v), b.const("c", np.float32(2.8)))
-    _refused(*b.run(out), "scale applied to V or the output")
+    _one(*b.run(out), scale=1.0)
+    assert [n.op for n in b.g.nodes] == ["FusedAttention", "Div"]
 
 
 def test_refuse_scores_used_elsewhere() -> None:
@@ -462,7 +476,7 @@ def test_refuse_mask_not_broadcastable() -> None:
     b = _Builder()
     q, k, v = _qkv(b, sq=1, skv=13)  # a (13, 1) mask broadcasts the scores up to (B, H, 13, 13)
     s = b.op("Add", _scores(b, q, k), b.input("mask", 13, 1))
-    _refused(*b.run(_attend(b, s, v)), "does not broadcast to (B,H,Sq,Skv)")
+    _refused(*b.run(_attend(b, s, v)), "its axis 0 is neither 1 nor the scores' 1")
 
 
 def test_refuse_training_dropout() -> None:
@@ -481,25 +495,68 @@ def test_refuse_sdpa_dropout() -> None:
     _refused(*b.run(node_out), "dropout_p=0.1")
 
 
-def test_refuse_where_fill_not_negative_infinity() -> None:
+def test_where_fill_zero_is_reproduced() -> None:
+    """Where(c, scores, 0): masked scores are 0, not -inf; FusedAttention's mask_fill says so."""
     b = _Builder()
     q, k, v = _qkv(b)
     s = b.op("Where", b.bool_input("c", B, 1, 1, 13), _scores(b, q, k), b.const("zero", np.float32(0)))
-    _refused(*b.run(_attend(b, s, v)), "fills masked scores with 0.0")
+    _one(*b.run(_attend(b, s, v)), mask_fill=0.0)
+
+
+@pytest.mark.parametrize("after_softmax", [False, True])
+def test_refuse_integer_cast_of_scores_or_probabilities(after_softmax: bool) -> None:
+    """Cast to int64 and back truncates: not a precision change the fused op could absorb."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Mul", _scores(b, q, k), b.const("c", np.float32(3.0)))
+    if not after_softmax:
+        s = b.op("Cast", b.op("Cast", s, to="int64"), to="float32")
+    p = b.op("Softmax", s, axis=-1)
+    if after_softmax:
+        p = b.op("Cast", b.op("Cast", p, to="int64"), to="float32")
+    _refused(*b.run(b.op("MatMul", p, v)), "to int64")
 
 
 def test_refuse_two_masks() -> None:
     b = _Builder()
     q, k, v = _qkv(b)
     s = b.op("Add", b.op("Add", _scores(b, q, k), b.input("m1", B, 1, 1, 13)), b.input("m2", 1, 1, 13, 13))
-    _refused(*b.run(_attend(b, s, v)), "more than one non-causal mask")
+    _refused(*b.run(_attend(b, s, v)), "more than one mask that is not provably causal (m1, m2)")
 
 
-def test_refuse_scale_after_additive_mask() -> None:
+def test_scale_after_additive_mask_scales_the_mask() -> None:
+    """(S + M) * c: the mask is scaled too (mask_scale=c), not S * c + M."""
     b = _Builder()
     q, k, v = _qkv(b)
     s = b.op("Mul", b.op("Add", _scores(b, q, k), b.input("m", B, 1, 1, 13)), b.const("c", np.float32(0.3)))
-    _refused(*b.run(_attend(b, s, v)), "scale is applied after the mask")
+    _one(*b.run(_attend(b, s, v)), scale=0.3, mask_scale=0.3)
+
+
+def test_scales_around_an_additive_mask_fold_in_order() -> None:
+    """(S * a + M) * b: scale a*b, the mask scaled by b only."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Mul", _scores(b, q, k), b.const("a", np.float32(0.5)))
+    s = b.op("Div", b.op("Add", s, b.input("m", B, 1, 1, 13)), b.const("c", np.float32(4.0)))
+    _one(*b.run(_attend(b, s, v)), scale=0.125, mask_scale=0.25)
+
+
+def test_refuse_mask_scaled_by_a_negative_factor() -> None:
+    """(-S + M) * -0.1: positive overall, but the mask flips sign (-inf becomes +inf): not a mask any more."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    s = b.op("Add", b.op("Mul", _scores(b, q, k), b.const("n", np.float32(-1))), b.input("m", B, 1, 1, 13))
+    _refused(*b.run(_attend(b, b.op("Mul", s, b.const("c", np.float32(-0.1))), v)), "its fill changes sign")
+
+
+def test_refuse_finite_where_after_causal_mask() -> None:
+    """Where(keep, S + causal, -1e4): the Where's finite fill replaces the causal -inf where keep is False."""
+    b = _Builder()
+    q, k, v = _qkv(b, sq=9)
+    causal = np.triu(np.full((9, 9), NEG_INF, np.float32), 1)
+    s = b.op("Add", _scores(b, q, k), b.const("causal", causal))
+    s = b.op("Where", b.bool_input("keep", B, 1, 1, 9), s, b.const("f", np.float32(-1e4)))
+    _refused(*b.run(_attend(b, s, v)), "after the causal mask causal overwrites its -inf with the finite -10000")
 
 
 @pytest.mark.parametrize("form", ["tile", "expand_tile_order"])
@@ -585,7 +642,8 @@ def test_scale_from_symbolic_shape() -> None:
     d = b.op("Gather", b.op("Shape", q), b.const("i3", np.int64(3)), axis=0)
     c = b.op("Reciprocal", b.op("Sqrt", b.op("Cast", d, to="float32")))
     out = _attend(b, b.op("Mul", _scores(b, q, k), c), v)
-    q.shape = ("batch", H, "seq", D)
+    for x in (q, k, v):
+        x.shape = ("batch", H, "seq", D)
     _one(*b.run(out), scale=1 / math.sqrt(D))
     assert [n.op for n in b.g.nodes] == ["FusedAttention"]
 
@@ -594,6 +652,7 @@ def test_gqa_symbolic_shapes() -> None:
     b = _Builder()
     q, k, v = _qkv(b, sq=5, hkv=2)
     kr, vr = _repeat_kv(b, k, 2), _repeat_kv(b, v, 2)
+    q.shape = ("batch", H, "seq", D)
     for x in (k, v):
         x.shape = ("batch", 2, "seq", D)
     for x in (kr, vr):

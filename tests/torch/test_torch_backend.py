@@ -162,7 +162,7 @@ def test_opcheck_all_custom_ops():
         (op.fused_gemm, (x, w, b, torch.randn(2, 3, 5), 1, "gelu")),
         (op.fused_gated_mlp, (x, w, w.clone(), b, None, 1, "silu")),
         (op.fused_attention, (q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2),
-                              torch.ones(6, 6, dtype=torch.bool).tril(), 0.0, 0, "bshd")),
+                              torch.ones(6, 6, dtype=torch.bool).tril(), 0.0, 0, "bshd", 1.0, -1e4, "none", 0)),
         (op.fused_add_norm, (x, None, torch.randn(8), None, "rms", 1e-6)),  # Sum would alias X: must not
     ]
     assert {c[0]._qualified_op_name for c in cases} == {o.name() for o in CUSTOM_OPS.values()}
@@ -183,8 +183,9 @@ def test_custom_op_backward_matches_finite_differences():
         (op.fused_gemm, (x, torch.randn(8, 5, **d), None, None, 0, "silu")),
         (op.fused_gated_mlp, (x, w, torch.randn(5, 8, **d), b, None, 1, "silu")),
         (op.fused_attention, (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              torch.ones(6, 6, dtype=torch.bool).tril(), 0.0, 0, "bshd")),
-        (op.fused_attention, (q, k, v, torch.randn(6, 6, **d), 0.5, 1, "bhsd")),
+                              torch.ones(6, 6, dtype=torch.bool).tril(), 0.0, 0, "bshd", 1.0, float("-inf"), "masked",
+                              1)),
+        (op.fused_attention, (q, k, v, torch.randn(6, 6, **d), 0.5, 1, "bhsd", 0.25, float("-inf"), "nan", 1)),
         (op.fused_add_norm, (x, torch.randn(2, 3, 8, **d), torch.randn(8, **d), torch.randn(8, **d), "layer", 1e-5)),
         (op.fused_add_norm, (x, None, torch.randn(8, **d), None, "rms", 1e-6)),
     ]

@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .base import FusedOp, ProgramSpec, Tensor, Unservable
+from .base import FLOAT_DTYPES, FusedOp, ProgramSpec, Tensor, Unservable
 
 _MODULES = ("gemm", "gated_mlp", "attention", "add_norm")
 
@@ -64,5 +64,5 @@ def execute(op: str, inputs: Sequence[Tensor | None], attrs: dict[str, Any]) -> 
     return (run_kernel if use_kernels() else run_reference)(op, inputs, attrs)
 
 
-__all__ = ["SCHEMAS", "FusedOp", "ProgramSpec", "Unservable", "execute", "run_kernel", "run_reference", "schema",
-           "use_kernels"]
+__all__ = ["FLOAT_DTYPES", "SCHEMAS", "FusedOp", "ProgramSpec", "Unservable", "execute", "run_kernel", "run_reference",
+           "schema", "use_kernels"]

@@ -1,7 +1,12 @@
-"""FusedAttention: O = softmax(Q K^T * scale + mask [causal]) V.
+"""FusedAttention: O = softmax(T) V, T = Q K^T * scale with the mask applied [causal].
 
 Layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA). scale <= 0 means
-1/sqrt(head_dim). The mask is additive (float) or a boolean keep-mask, broadcast over (b, h, q, k).
+1/sqrt(head_dim). The mask broadcasts over (b, h, q, k): a float mask adds mask * mask_scale (a graph's
+(S + M) * c), a bool mask keeps where it equals mask_keeps and sets T to mask_fill elsewhere (finite
+fills stay finite). causal drops keys after the query (top-left). guard: what a row gives whose every T
+is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or holds a NaN ("nan": 0, as the dynamo
+exporter's Where(IsNaN(p), 0, p)). Exact definition: kernels.reference.flash_attention_ref;
+docs/LEGALITY.md says which graphs map onto it and for which inputs.
 """
 
 from __future__ import annotations
@@ -19,20 +24,25 @@ def _scale(attrs: dict[str, Any]) -> float | None:
     return None if scale <= 0 else scale
 
 
+def _semantics(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes as the reference's and the kernel's keyword arguments (one spelling for both)."""
+    return dict(causal=bool(attrs["causal"]), scale=_scale(attrs), layout=attrs["layout"],
+                mask_scale=float(attrs["mask_scale"]), mask_fill=float(attrs["mask_fill"]), guard=attrs["guard"],
+                mask_keeps=bool(attrs["mask_keeps"]))
+
+
 def reference(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
     from tkopt.kernels import reference as ref
 
     q, k, v, mask = ins
-    return [ref.flash_attention_ref(q, k, v, causal=bool(attrs["causal"]), mask=mask, scale=_scale(attrs),
-                                    layout=attrs["layout"])]
+    return [ref.flash_attention_ref(q, k, v, mask=mask, **_semantics(attrs))]
 
 
 def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
     from tkopt import kernels
 
     q, k, v, mask = ins
-    return [kernels.flash_attention(q, k, v, causal=bool(attrs["causal"]), mask=mask, scale=_scale(attrs),
-                                    layout=attrs["layout"])]
+    return [kernels.flash_attention(q, k, v, mask=mask, **_semantics(attrs))]
 
 
 def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
@@ -60,30 +70,30 @@ def program(node: Node, arch: str) -> ProgramSpec:
     if mask is not None:
         if mask.dtype == "bool":
             mask_kind = "bool"
-        elif mask.dtype == "float32":
+        elif mask.dtype == ("float64" if arch == "cpu" and dtype == "float64" else "float32"):
             mask_kind = "add"
         else:
-            raise Unservable(f"{node.name}: mask dtype {mask.dtype} (kernel masks are bool or float32)")
+            raise Unservable(f"{node.name}: mask dtype {mask.dtype} (kernel masks are bool, float32, or float64 "
+                             "with float64 inputs on cpu)")
         if mask.shape is None or len(mask.shape) > 4:
             raise Unservable(f"{node.name}: mask {mask.name} rank must be known and <= 4")
         padded = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
         bcast = tuple(d == 1 for d in padded)
         buffers["Mask"] = ("in", 3)
     buffers["Output"] = ("out", 0)
-    scale = _scale(node.attrs)
-    causal = bool(node.attrs["causal"])
-    layouts = (layout,) * 4
+    a = _semantics(node.attrs)
+    # The program's compile-time keys, in gpu_program / cpu_program order: the node's semantics exactly.
+    args = (dtype, dim, hq, hkv, a["causal"], (layout,) * 4, mask_kind, bcast, a["scale"], a["mask_scale"],
+            a["mask_fill"], a["guard"], a["mask_keeps"])
     if arch == "cpu":
-        key = ("attn", arch, dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale)
-        build = lambda: attention.cpu_program(dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale)  # noqa: E731
+        key = ("attn", arch, *args)
+        build = lambda: attention.cpu_program(*args)  # noqa: E731
     else:
         if dim not in attention.GPU_HEAD_DIMS:
             raise Unservable(f"{node.name}: head dim {dim} (GPU kernels: {attention.GPU_HEAD_DIMS})")
         cfg = attention.FP32_CONFIG if dtype == "float32" else attention.DEFAULT_CONFIGS[(arch, dim)]
-        key = ("attn", arch, dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale, tuple(cfg.items()))
-        build = lambda: attention.gpu_program(  # noqa: E731
-            dtype, dim, hq, hkv, causal, layouts, mask_kind, bcast, scale, **cfg
-        )
+        key = ("attn", arch, *args, tuple(cfg.items()))
+        build = lambda: attention.gpu_program(*args, **cfg)  # noqa: E731
     return ProgramSpec(key, build, buffers, {0: "s0"})
 
 
@@ -93,7 +103,8 @@ OP = FusedOp(
     inputs=("Q", "K", "V", "mask"),
     optional_inputs=frozenset({"mask"}),
     outputs=("O",),
-    attrs={"scale": 0.0, "causal": 0, "layout": "bhsd"},
+    attrs={"scale": 0.0, "causal": 0, "layout": "bhsd", "mask_scale": 1.0, "mask_fill": float("-inf"),
+           "guard": "masked", "mask_keeps": 1},
     reference=reference,
     kernel=kernel,
     output_shapes=output_shapes,

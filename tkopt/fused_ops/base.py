@@ -15,6 +15,13 @@ import torch
 from tkopt.ir import Node, Value
 
 Tensor = torch.Tensor
+# The dtypes a fused op's tensors may have, by ONNX type constraint (IR dtype names): every tensor "T"
+# (one float dtype per node), unless `input_types` names another constraint for an input.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+TYPE_CONSTRAINTS = {
+    "T": (FLOAT_DTYPES, "float tensors"),
+    "M": ((*FLOAT_DTYPES, "bool"), "additive float mask or boolean keep-mask"),
+}
 Compute = Callable[[Sequence[Tensor | None], dict[str, Any]], list[Tensor]]
 Shape = Sequence[Any]  # dims of any kind: ints, torch SymInts, onnx TensorShapeProto.Dimension
 Broadcast = Callable[[Shape, Shape], Shape | None]  # numpy broadcasting of two shapes; None if unknown
@@ -70,6 +77,23 @@ class FusedOp:
         if unknown:
             raise ValueError(f"{self.name}: unknown attributes {sorted(unknown)}")
         return {**self.attrs, **attrs}
+
+    def dtype_problem(self, inputs: Sequence[Value | None], outputs: Sequence[Value | None]) -> str | None:
+        """Why IR values of these dtypes cannot be this op's inputs and outputs (None: they can). Each type
+        constraint binds one dtype per node, from its allowed ones (TYPE_CONSTRAINTS)."""
+        named = [*zip(self.inputs, inputs, strict=True), *zip(self.outputs, outputs, strict=False)]
+        bound: dict[str, set[str | None]] = {}
+        for name, v in named:
+            if v is not None:
+                bound.setdefault(self.input_types.get(name, "T"), set()).add(v.dtype)
+        for constraint, dtypes in bound.items():
+            allowed, what = TYPE_CONSTRAINTS[constraint]
+            if None in dtypes:
+                return f"{self.name}: a tensor's dtype is unknown"
+            if len(dtypes) != 1 or not dtypes <= set(allowed):
+                got = sorted(dtypes)  # type: ignore[type-var]
+                return f"{self.name} takes one dtype for its {what} ({', '.join(allowed)}), got {got}"
+        return None
 
     def padded(self, inputs: Sequence[Any]) -> list[Any]:
         """`inputs` with absent trailing optional inputs as None (ONNX drops them)."""

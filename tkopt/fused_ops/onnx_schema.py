@@ -15,14 +15,12 @@ from onnx.defs import OpSchema
 
 from tkopt.ir import FUSED_DOMAIN
 
-from . import SCHEMAS, FusedOp
+from . import SCHEMAS, FusedOp, base
 
 FUSED_OPSET = 1
-_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
-TYPE_CONSTRAINTS = {
-    "T": (_FLOATS, "float tensors"),
-    "M": ([*_FLOATS, "tensor(bool)"], "additive float mask or boolean keep-mask"),
-}
+_ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
+               "float64": "tensor(double)", "bool": "tensor(bool)"}
+TYPE_CONSTRAINTS = {k: ([_ONNX_TYPES[d] for d in dtypes], doc) for k, (dtypes, doc) in base.TYPE_CONSTRAINTS.items()}
 
 
 def _dim_equal(a: onnx.TensorShapeProto.Dimension, b: onnx.TensorShapeProto.Dimension) -> bool:

@@ -1,0 +1,532 @@
+"""Near misses through real exports: each attention module is exported (torch.export FX path, dynamo and
+TorchScript ONNX, dynamic shapes unless named static), fused, and either refused with its reason or run
+fused against unfused at several sizes (1, odd, lengths not seen at export), NaN positions included.
+
+The FX path runs fused ops on their torch references and compares with eager; the ONNX paths compare the
+optimized model (fused ops in torch, the rest in ORT) with the original model in ORT, each at its own
+semantics (the TorchScript exporter's SDPA, for one, gives NaN where eager gives 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
+
+from tkopt.backends.onnx_model import export_onnx as export_ir
+from tkopt.backends.torch_module import to_torch_module
+from tkopt.frontends.fx import import_fx
+from tkopt.frontends.onnx import import_onnx
+from tkopt.onnx_runtime_ref import run_model
+from tkopt.passes.pipeline import run_passes
+
+H, D = 2, 8
+HID = H * D
+N_BUF = 48  # buffers' extent: lengths up to 47 are admitted
+F32_MIN = float(torch.finfo(torch.float32).min)
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TKOPT_KERNELS", "reference")
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    b, s, _ = x.shape
+    return x.view(b, s, H, D).transpose(1, 2)
+
+
+def _merge(o: torch.Tensor) -> torch.Tensor:
+    b, _, s, _ = o.shape
+    return o.transpose(1, 2).reshape(b, s, HID)
+
+
+def _qkv(x: torch.Tensor, kv: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    kv = x if kv is None else kv
+    return _heads(x), _heads(torch.tanh(kv)), _heads(kv * 0.5 - 1)
+
+
+def _attend(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return _merge(w.softmax(-1) @ v)
+
+
+def _band(window: int) -> torch.Tensor:
+    i = torch.arange(N_BUF)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
+# ---- the modules ------------------------------------------------------------------------------------
+class BufferMask(nn.Module):
+    """masked_fill(~buffer[:s, :s], -inf): tril for window >= N_BUF, else a sliding-window band."""
+
+    def __init__(self, window: int = N_BUF) -> None:
+        super().__init__()
+        self.register_buffer("keep", _band(window))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        q, k, v = _qkv(x)
+        w = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        return _attend(w.masked_fill(~self.keep[:s, :s], float("-inf")), v)
+
+
+class IotaMask(nn.Module):
+    """Keys j kept against query i by an arange comparison; `strict` (j < i) masks every key of row 0."""
+
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__()
+        self.strict = strict
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        i = torch.arange(x.shape[1], device=x.device)
+        keep = i[None, :] < i[:, None] if self.strict else i[None, :] <= i[:, None]
+        q, k, v = _qkv(x)
+        return _attend((q @ k.transpose(-1, -2) * D**-0.5).masked_fill(~keep, float("-inf")), v)
+
+
+class FiniteFillThenScale(nn.Module):
+    """masked_fill(~tril, -1e4) and then a scale: eager's masked scores are -2, not -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("keep", _band(N_BUF))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        q, k, v = _qkv(x)
+        w = (q @ k.transpose(-1, -2)).masked_fill(~self.keep[:s, :s], -1e4)
+        return _attend(w * 2e-4, v)
+
+
+class AddThenScale(nn.Module):
+    """(scores + mask) * scale with a -1e4 additive mask: the mask is scaled too."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x)
+        return _attend((q @ k.transpose(-1, -2) + mask[:, None, None, :]) * 2e-4, v)
+
+
+class PaddingEq0(nn.Module):
+    """masked_fill(attention_mask == 0, -inf): the mask computed from an int input, True where it masks."""
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        return _attend(w, v)
+
+
+class SdpaMask(nn.Module):
+    """SDPA with a bool key mask (rows of a fully padded batch entry have every key masked)."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x)
+        return _merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :]))
+
+
+class SdpaGqa(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x)
+        return _merge(F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], enable_gqa=True))
+
+
+class BatchBroadcast(nn.Module):
+    """Q of batch 1 (one query set) against K/V of batch 2: the MatMuls broadcast the batch."""
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        q, _, _ = _qkv(x[:1])
+        _, k, v = _qkv(mem)
+        return _attend(q @ k.transpose(-1, -2) / math.sqrt(D), v)
+
+
+class RelativeBias(nn.Module):
+    """T5: no scale, a learned relative position bias added to the scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(17, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        i = torch.arange(x.shape[1], device=x.device)
+        rel = (i[None, :] - i[:, None]).clamp(-8, 8) + 8
+        bias = self.bias(rel).permute(2, 0, 1)[None]
+        q, k, v = _qkv(x)
+        return _attend(q @ k.transpose(-1, -2) + bias, v)
+
+
+class Cross(nn.Module):
+    """Encoder-decoder attention: queries from x (length s), keys/values from mem (length t), a key mask."""
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x, mem)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~keep[:, None, None, :], float("-inf"))
+        return _attend(w, v)
+
+
+class CausalCross(nn.Module):
+    """Causal with Sq != Skv, top-left (torch's is_causal): SDPA, or a Trilu over (Sq, Skv) ones."""
+
+    def __init__(self, sdpa: bool) -> None:
+        super().__init__()
+        self.sdpa = sdpa
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x, mem)
+        if self.sdpa:
+            return _merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        keep = torch.ones(x.shape[1], mem.shape[1], dtype=torch.bool, device=x.device).tril()
+        return _attend((q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~keep, float("-inf")), v)
+
+
+class BottomRight(nn.Module):
+    """KV-cache causal: query i of the s new ones sees keys up to (t - s) + i: rows sliced from an offset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("keep", _band(N_BUF))
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        s, t = x.shape[1], mem.shape[1]
+        q, k, v = _qkv(x, mem)
+        keep = self.keep[t - s:t, :t]
+        return _attend((q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~keep, float("-inf")), v)
+
+
+class FinfoCausalPlusPadding(nn.Module):
+    """GPT-2's old form: Where(tril, w, finfo.min) + a finfo.min padding mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("keep", _band(N_BUF))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        q, k, v = _qkv(x)
+        w = torch.where(self.keep[:s, :s], q @ k.transpose(-1, -2) / math.sqrt(D), F32_MIN)
+        return _attend(w + pad[:, None, None, :], v)
+
+
+class FinfoCausal(nn.Module):
+    """Llama's old form: scores * scale + triu(full(finfo.min), 1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        causal = torch.full((s, s), F32_MIN, device=x.device).triu(1)
+        q, k, v = _qkv(x)
+        return _attend(q @ k.transpose(-1, -2) * D**-0.5 + causal, v)
+
+
+# ---- cases -------------------------------------------------------------------------------------------
+def _x(b: int, s: int) -> torch.Tensor:
+    return torch.randn(b, s, HID)
+
+
+def _keep(b: int, t: int, empty: bool = False) -> torch.Tensor:
+    keep = torch.rand(b, t) > 0.3
+    keep[:, 0] = True
+    if empty:
+        keep[-1] = False  # every key of the last batch entry masked
+    return keep
+
+
+@dataclass
+class Case:
+    module: Callable[[], nn.Module]
+    inputs: Callable[[int, int], tuple[torch.Tensor, ...]]  # (batch, length) -> inputs
+    dims: tuple[dict[int, str], ...]  # per input: axis -> dim name ("b", "s", "t")
+    paths: tuple[str, ...]
+    want: dict[str, object] = field(default_factory=dict)  # FusedAttention attributes (fused cases)
+    refused: str | None = None  # the reason (refused cases)
+    mask_input: bool | None = None  # whether the mask stays an explicit input
+    sizes: tuple[int, ...] = (1, 11, 37, 40)
+
+
+XS = ({0: "b", 1: "s"},)
+CROSS = ({0: "b", 1: "s"}, {0: "b", 1: "t"})
+ALL = ("fx", "dynamo", "torchscript")
+
+CASES = {
+    # defect 1: a band buffer sliced to the length agrees with tril at short lengths; it stays a mask
+    "band_window_32": Case(lambda: BufferMask(32), lambda b, s: (_x(b, s),), XS, ALL, {"causal": 0}, mask_input=True),
+    "band_window_8": Case(lambda: BufferMask(8), lambda b, s: (_x(b, s),), XS, ("fx",), {"causal": 0},
+                          mask_input=True),
+    "tril_buffer": Case(BufferMask, lambda b, s: (_x(b, s),), XS, ALL, {"causal": 1}, mask_input=False),
+    "iota_causal": Case(IotaMask, lambda b, s: (_x(b, s),), XS, ALL, {"causal": 1}, mask_input=False),
+    # defect 3: row 0 has every key masked: NaN in eager, NaN fused
+    "strict_lower_nan_row": Case(lambda: IotaMask(strict=True), lambda b, s: (_x(b, s),), XS, ALL,
+                                 {"causal": 0, "guard": "none"}, mask_input=True, sizes=(1, 2, 9)),
+    # defect 2: finite fills stay finite, a scale after the mask scales it
+    "finite_fill_then_scale": Case(FiniteFillThenScale, lambda b, s: (_x(b, s),), XS, ALL,
+                                   {"causal": 0, "mask_fill": -2.0, "scale": 2e-4}, mask_input=True),
+    "add_then_scale": Case(AddThenScale, lambda b, s: (_x(b, s), torch.where(torch.rand(b, s) > 0.3, 0.0, -1e4)),
+                           ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"mask_scale": 2e-4, "scale": 2e-4}),
+    "masked_fill_eq0_padding": Case(PaddingEq0, lambda b, s: (_x(b, s), _keep(b, s, empty=True).long()),
+                                    ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"mask_keeps": 0, "guard": "none"},
+                                    mask_input=True),
+    "sdpa_fully_masked_batch": Case(SdpaMask, lambda b, s: (_x(b, s), _keep(b, s, empty=True)),
+                                    ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"causal": 0}, mask_input=True),
+    # defect 5: the dynamo export of SDPA(enable_gqa=True)
+    "sdpa_gqa": Case(SdpaGqa, lambda b, s: (_x(b, s),), XS, ("fx", "dynamo", "dynamo_static"), {}),
+    # defect 7: Q of batch 1 against K/V of batch 2
+    "q_batch_1_kv_batch_2": Case(BatchBroadcast, lambda b, s: (_x(1, s), _x(2, s)), ({1: "s"}, {1: "s"}), ALL,
+                                 refused="not provably equal", sizes=(1, 11)),
+    "relative_position_bias": Case(RelativeBias, lambda b, s: (_x(b, s),), XS, ALL, {"scale": 1.0},
+                                   mask_input=True),
+    "cross_attention": Case(Cross, lambda b, s: (_x(b, s), _x(b, s + 6), _keep(b, s + 6)),
+                            ({0: "b", 1: "s"}, {0: "b", 1: "t"}, {0: "b", 1: "t"}), ALL, {"causal": 0},
+                            mask_input=True, sizes=(1, 7, 30)),
+    "sdpa_causal_sq_ne_skv": Case(lambda: CausalCross(sdpa=True), lambda b, s: (_x(b, s), _x(b, s + 5)), CROSS,
+                                  ALL, {"causal": 1}, mask_input=False, sizes=(1, 7, 30)),
+    "causal_trilu_sq_ne_skv": Case(lambda: CausalCross(sdpa=False), lambda b, s: (_x(b, 2 * s + 1), _x(b, s)),
+                                   CROSS, ALL, {"causal": 1}, mask_input=False, sizes=(1, 7, 20)),
+    "kv_cache_bottom_right": Case(BottomRight, lambda b, s: (_x(b, s), _x(b, s + 4)), CROSS, ("fx", "dynamo"),
+                                  {"causal": 0}, mask_input=True, sizes=(1, 7, 30)),
+    "finfo_causal_alone": Case(FinfoCausal, lambda b, s: (_x(b, s),), XS, ALL, {"causal": 1}, mask_input=False),
+    "finfo_causal_beside_padding": Case(
+        FinfoCausalPlusPadding, lambda b, s: (_x(b, s), torch.where(_keep(b, s), 0.0, F32_MIN)),
+        ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ("fx", "dynamo"), refused="beside another mask"),
+}
+
+
+# ---- the harness -------------------------------------------------------------------------------------
+def _dims(case: Case) -> dict[str, Dim]:
+    bounds = {"b": (1, 8), "s": (1, 47), "t": (1, 47)}
+    names = {n for d in case.dims for n in d.values()}
+    return {n: Dim(n, min=bounds[n][0], max=bounds[n][1]) for n in names}
+
+
+def _example(case: Case) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    return case.inputs(2, 9)
+
+
+def _fused_graph(case: Case, path: str, tmp: Path):
+    module = case.module().eval()
+    args = _example(case)
+    dims = _dims(case)
+    names = [f"in{i}" for i in range(len(args))]
+    static = path.endswith("_static")
+    if path == "fx":
+        shapes = tuple({a: dims[n] for a, n in d.items()} for d in case.dims)
+        graph = import_fx(torch.export.export(module, args, dynamic_shapes=shapes))
+    else:
+        file = tmp / f"{path}.onnx"
+        if path.startswith("dynamo"):
+            shapes = None if static else tuple({a: dims[n] for a, n in d.items()} for d in case.dims)
+            torch.onnx.export(module, args, str(file), dynamo=True, input_names=names, dynamic_shapes=shapes)
+        else:
+            axes = None if static else {nm: dict(d) for nm, d in zip(names, case.dims, strict=True)}
+            torch.onnx.export(module, args, str(file), dynamo=False, input_names=names, dynamic_axes=axes)
+        graph = import_onnx(file)
+    return module, graph, run_passes(graph), names
+
+
+def _runner(case: Case, path: str, module: nn.Module, graph, names: list[str], tmp: Path):
+    """(eager-or-original, fused) callables on a tuple of inputs."""
+    if path == "fx":
+        fused = to_torch_module(graph)
+        return (lambda *a: module(*a)), (lambda *a: fused(*a))
+    original = onnx.load(tmp / f"{path}.onnx")
+    optimized = export_ir(graph)
+
+    def run(model: onnx.ModelProto, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        feeds = {n: a.numpy() for n, a in zip(names, args, strict=True)}
+        return torch.from_numpy(next(iter(run_model(model, feeds).values())))
+
+    return (lambda *a: run(original, a)), (lambda *a: run(optimized, a))
+
+
+@pytest.mark.parametrize(("name", "path"), [(n, p) for n, c in CASES.items() for p in c.paths])
+def test_near_miss(name: str, path: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    module, graph, report, names = _fused_graph(case, path, tmp_path)
+    fused = [n for n in graph.nodes if n.op == "FusedAttention"]
+    if case.refused is not None:
+        assert not fused, [n.attrs for n in fused]
+        assert any(case.refused in r.reason for r in report.refusals), [str(r) for r in report.refusals]
+    else:
+        assert len(fused) == 1, [str(r) for r in report.refusals]
+        node = fused[0]
+        for key, want in case.want.items():
+            got = node.attrs[key]
+            assert math.isclose(got, want, rel_tol=1e-6) if isinstance(want, float) else got == want, (key, got)
+        if case.mask_input is not None:
+            assert (node.inputs[3] is not None) == case.mask_input
+    want_fn, got_fn = _runner(case, path, module, graph, names, tmp_path)
+    sizes = (9,) if path.endswith("_static") else case.sizes
+    for s in sizes:
+        torch.manual_seed(s)
+        args = case.inputs(2, s)
+        with torch.no_grad():
+            want, got = want_fn(*args), got_fn(*args)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True, msg=lambda m, s=s: f"s={s}: {m}")
+
+
+@pytest.mark.parametrize("path", ALL)
+def test_nan_inputs_propagate_as_in_eager(path: str, tmp_path: Path) -> None:
+    """A NaN token poisons exactly the outputs it poisons in the original (a padding-masked cross attention,
+    whose mask stays explicit: every key is read by both)."""
+    case = CASES["cross_attention"]
+    module, graph, _, names = _fused_graph(case, path, tmp_path)
+    want_fn, got_fn = _runner(case, path, module, graph, names, tmp_path)
+    x, mem, keep = case.inputs(2, 7)
+    x[0, 3, 1] = float("nan")
+    mem[1, 5, 0] = float("inf")
+    with torch.no_grad():
+        want, got = want_fn(x, mem, keep), got_fn(x, mem, keep)
+    assert want.isnan().any() and not want.isnan().all()
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_finfo_causal_beside_padding_would_differ() -> None:
+    """Why that case is refused: a row whose earlier keys the padding all drops weighs the later keys in
+    eager; FusedAttention(causal=1, mask=padding) would weigh no key (NaN)."""
+    from tkopt.fused_ops import run_reference
+
+    torch.manual_seed(0)
+    m = FinfoCausalPlusPadding().eval()
+    x = _x(1, 6)
+    pad = torch.zeros(1, 6)
+    pad[0, :3] = F32_MIN  # left padding: row 1 sees keys 0, 1 (both padded) and, in eager, later keys
+    want = m(x, pad)
+    q, k, v = _qkv(x)
+    fused = run_reference("FusedAttention", [q, k, v, pad[:, None, None, :]],
+                          {"causal": 1, "scale": 1 / math.sqrt(D), "guard": "none"})[0]
+    assert (_merge(fused)[0, 1] - want[0, 1]).abs().max() > 0.1 or _merge(fused)[0, 1].isnan().any()
+
+
+# ---- dtypes and broadcasting on ONNX graphs -----------------------------------------------------------
+def _onnx(nodes: list, inputs: list, outputs: list, inits: list | None = None) -> onnx.ModelProto:
+    graph = onnx.helper.make_graph(nodes, "g", inputs, outputs, initializer=inits or [])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _optimized(model: onnx.ModelProto):
+    graph = import_onnx(model)
+    report = run_passes(graph)
+    out = export_ir(graph)
+    onnx.checker.check_model(out, full_check=True)
+    return graph, report, out
+
+
+def test_integer_matmul_relu_stays_unfused() -> None:
+    """Defect 6: FusedGemm declares float dtypes only; an int32 MatMul + Relu is left as it was, and the model
+    still passes the checker and runs."""
+    t = onnx.TensorProto
+    w = onnx.numpy_helper.from_array(np.arange(32, dtype=np.int32).reshape(8, 4) - 16, "w")
+    model = _onnx([onnx.helper.make_node("MatMul", ["x", "w"], ["y"]), onnx.helper.make_node("Relu", ["y"], ["z"])],
+                  [onnx.helper.make_tensor_value_info("x", t.INT32, ["b", 8])],
+                  [onnx.helper.make_tensor_value_info("z", t.INT32, ["b", 4])], [w])
+    graph, report, out = _optimized(model)
+    assert not any(n.is_fused for n in graph.nodes)
+    assert any("FusedGemm takes one dtype for its float tensors" in r.reason for r in report.refusals), report.refusals
+    x = {"x": np.arange(24, dtype=np.int32).reshape(3, 8) - 12}
+    np.testing.assert_array_equal(run_model(out, x)["z"], run_model(model, x)["z"])
+
+
+@pytest.mark.parametrize("head", ["norm", "gemm"])
+def test_residual_of_another_symbolic_dim_is_not_fused(head: str) -> None:
+    """Defect 8: a residual whose batch dim has another name may be 1 at run time (ONNX broadcasting): the
+    residual Add stays unfused (FusedAddNorm / FusedGemm add row by row), and the model runs fed batch 1."""
+    t = onnx.TensorProto
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w")
+    g = onnx.numpy_helper.from_array(np.ones(16, np.float32), "g")
+    if head == "norm":
+        nodes = [onnx.helper.make_node("Add", ["x", "r"], ["s"]),
+                 onnx.helper.make_node("LayerNormalization", ["s", "g"], ["y"], axis=-1)]
+    else:
+        nodes = [onnx.helper.make_node("MatMul", ["x", "w"], ["m"]), onnx.helper.make_node("Add", ["m", "r"], ["y"])]
+    model = _onnx(nodes, [onnx.helper.make_tensor_value_info("x", t.FLOAT, ["batch", "seq", 16]),
+                          onnx.helper.make_tensor_value_info("r", t.FLOAT, ["rbatch", "seq", 16])],
+                  [onnx.helper.make_tensor_value_info("y", t.FLOAT, ["batch", "seq", 16])], [w, g])
+    graph, report, out = _optimized(model)
+    fused = [n for n in graph.nodes if n.is_fused]
+    assert len(fused) == 1 and fused[0].inputs[1 if head == "norm" else 3] is None
+    assert any("is not provably" in r.reason for r in report.refusals) or head == "gemm", report.refusals
+    feeds = {"x": rng.standard_normal((3, 5, 16)).astype(np.float32),
+             "r": rng.standard_normal((1, 5, 16)).astype(np.float32)}
+    np.testing.assert_allclose(run_model(out, feeds)["y"], run_model(model, feeds)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_of_another_symbolic_dim_is_refused(tmp_path: Path) -> None:
+    """The same class for masks: a key mask whose length has its own name (fed 1 at run time, it broadcasts)
+    would be read at full length by the kernels' static broadcast flags: refused with the axis named."""
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            q, k, v = _qkv(x)
+            return _attend(q @ k.transpose(-1, -2) / math.sqrt(D) + mask[:, None, None, :], v)
+
+    file = tmp_path / "m.onnx"
+    torch.onnx.export(M(), (_x(2, 5), torch.zeros(2, 5)), str(file), dynamo=False, input_names=["x", "mask"],
+                      dynamic_axes={"x": {0: "b", 1: "s"}, "mask": {0: "b", 1: "t"}})
+    graph = import_onnx(file)
+    report = run_passes(graph)
+    assert not any(n.op == "FusedAttention" for n in graph.nodes)
+    assert any("its axis 3 is neither 1 nor the scores' s" in r.reason for r in report.refusals), report.refusals
+    feeds = {"x": _x(2, 6).numpy(), "mask": np.zeros((2, 1), np.float32)}  # t = 1 broadcasts
+    got, want = (next(iter(run_model(m, feeds).values())) for m in (export_ir(graph), onnx.load(file)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_hf_causal_mask_from_positions_is_proven(model_type: str) -> None:
+    """A transformers decoder called without attention_mask builds its mask from positions (iotas indexed
+    by aten::index, the packed-sequence check cumsum(diff(positions) != 1)): proven causal, causal=1,
+    fused == eager at lengths 1, 7 and 37."""
+    from tkopt.models.hf import tiny_causal_lm
+
+    class Body(nn.Module):
+        def __init__(self, lm: nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=ids, use_cache=False).logits
+
+    torch.manual_seed(0)
+    module = Body(tiny_causal_lm(model_type, num_hidden_layers=1)).eval()
+    ids = torch.randint(1, 100, (2, 9))
+    ep = torch.export.export(module, (ids,), dynamic_shapes=({0: Dim("b", max=8), 1: Dim("s", max=64)},))
+    graph = import_fx(ep)
+    run_passes(graph)
+    fused = [n for n in graph.nodes if n.op == "FusedAttention"]
+    assert fused and all(n.attrs["causal"] == 1 and n.inputs[3] is None for n in fused), [n.attrs for n in fused]
+    gm = to_torch_module(graph)
+    for s in (1, 7, 37):
+        x = torch.randint(1, 100, (2, s))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), module(x), rtol=1e-4, atol=1e-5)
+
+
+def test_float64_default_scale_survives_onnx_attributes(tmp_path: Path) -> None:
+    """The TorchScript export computes SDPA's 1/sqrt(d) in the graph; as FusedAttention's float attribute
+    (32 bits in ONNX) it lost float64 precision (fuzz seed 120: 3.5e-9 relative). The default scale is
+    written as the default (0: computed at run time)."""
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            q, k, v = (t.view(b, s, 1, 2).transpose(1, 2) for t in (x, x.tanh(), x * 0.5))
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 2)
+
+    file = tmp_path / "m.onnx"
+    x = torch.randn(3, 5, 2, dtype=torch.float64)
+    torch.onnx.export(M(), (x,), str(file), dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "b", 1: "s"}})
+    graph = import_onnx(file)
+    run_passes(graph)
+    assert [n.attrs["scale"] for n in graph.nodes if n.op == "FusedAttention"] == [0.0]
+    feeds = {"x": x.numpy()}
+    got, want = (next(iter(run_model(m, feeds).values())) for m in (export_ir(graph), onnx.load(file)))
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
