@@ -208,7 +208,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ["TKOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="tkopt-cache-")  # cold tkopt caches
-    from tkopt.cache import write_atomic
+    from tkopt.files import write_atomic
     from tkopt.targets import cpu_model
 
     meta = {"command": "python " + " ".join(sys.argv), "date": dt.datetime.now().isoformat(timespec="seconds"),

@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
 #                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only)
-# Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES, MODELS_ARGS, MODELS_TIMEOUT (bench).
+# Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES, MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
+# onnxruntime-gpu wheel (CUDA 13) installed into a temporary folder ahead of the image's CPU onnxruntime, so the
+# CUDA-target op libraries run in ORT (tests/ort/test_cuda_session.py; skipped without it).
 # Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
 # tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim (and -P keeps
 # the working directory off sys.path for the same reason).
@@ -17,10 +19,16 @@ shim=$(mktemp -d)
 mkdir -p "$shim/tkopt"
 cp -rs "$root/tkopt/." "$shim/tkopt/"
 for d in kernels passes models; do ln -s "$root/$d" "$shim/tkopt/$d"; done
+if [ -n "${ORT_GPU_WHEEL:-}" ]; then
+  ortdir=$(mktemp -d)
+  python -m pip install -q --no-index --no-deps --no-compile --target "$ortdir" "$ORT_GPU_WHEEL" || exit 1
+  export PYTHONPATH="$ortdir${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TKOPT_CACHE_DIR=${TKOPT_CACHE_DIR:-$(mktemp -d)}
 cd "$root"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python -c 'import torch; print("torch", torch.__version__)'; } > "$out/env.txt"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python -c 'import torch; print("torch", torch.__version__)'
+  python -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.get_available_providers())'; } > "$out/env.txt"
 t0=$(date +%s)
 case "$phase" in
   tests)

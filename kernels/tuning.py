@@ -119,9 +119,10 @@ def cached_entry(kernel: str, arch: str, key: tuple) -> dict | None:
 def _progress(n: int, desc: str):
     """A (advance, close) pair drawing a progress bar on stderr with rich or tqdm, else plain lines."""
     try:
+        from rich.console import Console
         from rich.progress import Progress
 
-        prog = Progress(transient=True)
+        prog = Progress(transient=True, console=Console(stderr=True))  # stdout carries the CLI's report and JSON
         prog.start()
         task = prog.add_task(desc, total=n)
         return (lambda: prog.advance(task)), prog.stop

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ def _atomic_save(proto: onnx.ModelProto, path: Path, external_data: bool) -> Non
             location=data_name, size_threshold=0,
         )
         if external_data:
+            shutil.copymode(tmp, Path(td) / data_name)  # onnx creates the data 0600; the model has the umask's mode
             os.replace(Path(td) / data_name, path.parent / data_name)
         os.replace(tmp, path)
 

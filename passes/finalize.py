@@ -37,17 +37,24 @@ def remove_unused(graph: Graph, keep_fallbacks: bool = True) -> int:
     they may have effects the IR does not model. With `keep_fallbacks`, what a fused node's original
     nodes read stays live too (e.g. a causal mask the fused node does not need): a node whose kernel
     then proves unavailable is unfused and needs them. `seal` drops them once kernels are settled.
+    Node order follows the fused nodes' own inputs only, so a fallback's producer may come after its
+    fused node: liveness is swept to a fixed point, not in one backward pass.
     """
     live = {id(v) for v in graph.outputs}
-    keep: list[Node] = []
-    for n in reversed(graph.nodes):
-        if "::" in n.op or any(id(o) in live for o in n.outputs):
-            keep.append(n)
+    kept: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for n in reversed(graph.nodes):
+            if id(n) in kept or not ("::" in n.op or any(id(o) in live for o in n.outputs)):
+                continue
+            kept.add(id(n))
+            grew = True
             live.update(id(v) for v in n.inputs if v is not None)
             if keep_fallbacks and n.is_fused:
                 live.update(id(v) for r in n.replaced for v in r.inputs if v is not None)
-    dropped = len(graph.nodes) - len(keep)
-    graph.nodes = keep[::-1]
+    dropped = len(graph.nodes) - len(kept)
+    graph.nodes = [n for n in graph.nodes if id(n) in kept]
     return dropped
 
 

@@ -204,3 +204,29 @@ def test_cuda_backend_measures_and_reports(cache_dir, monkeypatch) -> None:
     _check_measured(report, {"eager"})
     print(report)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+def test_a_fallbacks_input_made_after_its_fused_node_survives_and_unfuses_in_order() -> None:
+    """Node order follows the fused node's own inputs, so the producer of what only its fallback reads (a
+    causal mask's Slice in the TorchScript GPT-2 export) can come after it. It must stay until sealing, and
+    unfusing must put it first: a one-pass backward sweep dropped it, and the ONNX export then failed the
+    checker ("input '/Slice_1_output_0' of node /Where is not output of any previous nodes")."""
+    from tkopt.ir import FUSED_DOMAIN, Graph, Value
+    from tkopt.passes.base import unfuse
+    from tkopt.passes.finalize import remove_unused, seal
+
+    def build() -> tuple[Graph, Node, Node]:
+        x, s, y = Value("x", "float32", (2, 3)), Value("s", "float32", (2, 3)), Value("y", "float32", (2, 3))
+        mask = Node("Relu", [x], [s], name="mask")
+        fused = Node("FusedThing", [x], [y], name="fused", domain=FUSED_DOMAIN,
+                     replaced=[Node("Add", [x, s], [y], name="add")])
+        g = Graph("g")
+        g.inputs, g.outputs, g.nodes = [x], [y], [fused, mask]
+        return g, fused, mask
+
+    g, fused, mask = build()
+    assert remove_unused(g) == 0 and g.nodes == [fused, mask]
+    unfuse(g, fused)
+    assert [n.name for n in g.nodes] == ["mask", "add"]
+    g, fused, mask = build()
+    assert seal(g) == 1 and g.nodes == [fused]  # kernels settled: the fallback's input goes

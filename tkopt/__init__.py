@@ -1,12 +1,17 @@
 """tkopt: graph-level fusion optimizer (FX and ONNX graphs in, fused torch modules and ONNX models out).
 
-Public names are imported lazily so that `import tkopt` stays cheap (no torch, no onnx).
+Public names are imported lazily so that `import tkopt` stays cheap (no torch, no onnx). TileLang's log is
+routed through Python logging from the moment it is imported (tkopt.logs).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from tkopt import logs
+
+logs.install()
 
 _LAZY = {
     "compile": "tkopt.torch_compile",

@@ -137,7 +137,7 @@ class BenchResult:
 
     def write_json(self, path: str | Path) -> Path:
         """Write to_json() atomically (a temporary file beside `path`, then os.replace)."""
-        from tkopt.cache import write_atomic
+        from tkopt.files import write_atomic
 
         path = Path(path)
         write_atomic(path, self.to_json().encode())
@@ -183,7 +183,8 @@ def render(r: BenchResult, console: Console) -> None:
                    "-" if name == r.baseline else _x(speed.get(name)))
     console.print(lt)
     if r.nodes:
-        nt = Table(title="fused nodes vs the nodes they replaced (on their real inputs)")
+        nt = Table(title=f"fused nodes vs the nodes they replaced, in ORT on {r.device} (on their real inputs)"
+                   if r.kind == "onnx" else "fused nodes vs the nodes they replaced (on their real inputs)")
         nt.add_column("node", no_wrap=True)
         for col in ("replaced", "max rel", "fused ms", "unfused ms", "speedup"):
             nt.add_column(col, justify="right")
@@ -218,9 +219,11 @@ def bench_onnx(
     """Optimize the ONNX model at `path` (tkopt.pipeline, as optimize_onnx does) and compare fused with
     unfused (original, plain ORT).
 
-    With `target` the fused model runs in ORT on the native op library built for it, and both
-    sides are timed (time.perf_counter around session.run). Without it the fused model runs
-    "hybrid" (tkopt.onnx_runtime_ref: fused ops through torch references): accuracy only.
+    With `target` ("cpu", "sm80", "sm90", or "auto": tkopt.ort.library.resolve_target) the fused model runs
+    in ORT on the native op library built for it, and both sides are timed (time.perf_counter around
+    session.run; on a GPU target with inputs and outputs on the GPU, so ORT's CUDA kernels face the library's
+    without copies). Without it (None, "none") the fused model runs "hybrid" (tkopt.onnx_runtime_ref: fused
+    ops through torch references): accuracy only.
     Per fused node: a one-node model against a model of the nodes it replaced, on the node's inputs as
     the original model computes them on the same feeds.
     """
@@ -228,19 +231,24 @@ def bench_onnx(
     from tkopt.frontends.onnx import import_onnx
     from tkopt.onnx_runtime_ref import has_fused_nodes, run_hybrid
     from tkopt.ort import run
-    from tkopt.ort.library import check_target
+    from tkopt.ort.library import check_prerequisites, cuda_missing, resolve_target
     from tkopt.pipeline import optimize
     from tkopt.targets.ort_target import OrtTarget
 
-    if target is not None:
-        check_target(target)
     if runs < 1 or warmup < 0:
         raise ValueError(f"--runs must be >= 1 and --warmup >= 0 (got {runs}, {warmup})")
+    target, chose = resolve_target(target)
+    if target is not None:
+        check_prerequisites(target)
+        why = None if target == "cpu" else cuda_missing()
+        if why is not None:
+            raise ValueError(f"bench --target {target} runs the {target} op library, which cannot run here: {why}")
     providers = run.providers(target)
     graph = import_onnx(path)
     source = graph.meta["source"]
     original: onnx.ModelProto = graph.meta["onnx_model"]
-    notes: list[str] = []
+    run.check_loads(original, source)
+    notes: list[str] = [chose] if chose else []
     with tempfile.TemporaryDirectory(prefix="tkopt-bench-") as tmpdir:
         tmp = Path(tmpdir)
         result = optimize(graph, OrtTarget(target, original, tmp), select=select, disable=disable)
@@ -251,15 +259,16 @@ def bench_onnx(
                   if d.decision != "kept"]
         feeds = dict(inputs) if inputs is not None else run.make_inputs(original, seed)
         names = [o.name for o in original.graph.output]
-        unfused_sess = run.session(Path(path) if isinstance(path, str | Path) else original, None, providers)
-        want = dict(zip(names, unfused_sess.run(names, feeds), strict=True))
-        timings = {"unfused": time_calls(lambda: unfused_sess.run(names, feeds), runs, warmup)}
+        unfused = run.Bound(run.session(Path(path) if isinstance(path, str | Path) else original, None, providers),
+                            feeds, names, providers)
+        want = unfused.results()
+        timings = {"unfused": time_calls(unfused, runs, warmup)}
         if library is not None or not has_fused_nodes(fused_model):
             external = True if graph.meta["external_data"] else None
             fused_path = save(fused_model, tmp / "fused.onnx", external_data=external)
-            fused_sess = run.session(fused_path, library, providers)
-            got = dict(zip(names, fused_sess.run(names, feeds), strict=True))
-            timings["fused"] = time_calls(lambda: fused_sess.run(names, feeds), runs, warmup)
+            fused = run.Bound(run.session(fused_path, library, providers), feeds, names, providers)
+            got = fused.results()
+            timings["fused"] = time_calls(fused, runs, warmup)
             runner, claims = (f"ort + tkopt op library ({target})" if library else "ort (nothing fused)"), True
         else:
             got = run_hybrid(fused_model, feeds)
@@ -298,14 +307,16 @@ def onnx_node_rows(graph: Graph, fused: list[Node], original: onnx.ModelProto, f
             continue
         out_names = [v.name for v in n.outputs]
         ufeeds = {v.name: values[v.name] for v in outer_inputs(n.replaced)}
-        usess = run.session(nodes_model(graph, n.replaced, n.outputs, f"{n.name}_unfused"), None, providers)
-        want = dict(zip(out_names, usess.run(out_names, ufeeds), strict=True))
-        row.unfused = time_calls(lambda s=usess, o=out_names, f=ufeeds: s.run(o, f), runs, warmup)
+        unfused = run.Bound(run.session(nodes_model(graph, n.replaced, n.outputs, f"{n.name}_unfused"), None,
+                                        providers), ufeeds, out_names, providers)
+        want = unfused.results()
+        row.unfused = time_calls(unfused, runs, warmup)
         ffeeds = {v.name: values[v.name] for v in outer_inputs([n])}
         if library is not None:
-            fsess = run.session(nodes_model(graph, [n], n.outputs, n.name), library, providers)
-            got = dict(zip(out_names, fsess.run(out_names, ffeeds), strict=True))
-            row.fused = time_calls(lambda s=fsess, o=out_names, f=ffeeds: s.run(o, f), runs, warmup)
+            fused = run.Bound(run.session(nodes_model(graph, [n], n.outputs, n.name), library, providers), ffeeds,
+                              out_names, providers)
+            got = fused.results()
+            row.fused = time_calls(fused, runs, warmup)
         else:
             got = _reference(n, values)
             row.note = "reference"

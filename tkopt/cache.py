@@ -10,18 +10,16 @@ file, then os.replace), and JSON files merge concurrent writers under a file loc
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
 
+from tkopt.files import write_atomic
 from tkopt.kernels.tuning import cache_dir
 
 
@@ -53,20 +51,6 @@ def digest(*parts: Any) -> str:
     """A short stable hash of JSON-able parts (with versions() mixed in by the caller where it matters)."""
     text = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` all or nothing (a temporary file beside it, then os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 class JsonFile:

@@ -74,7 +74,7 @@ def sweep(
         try:
             want = run_original(f)
         except Exception as e:  # noqa: BLE001 - the original not running here is a fact to report
-            refused.append((describe(shapes), _first_line(e)))
+            refused.append((describe(shapes), first_line(e)))
             continue
         got = run_fused(f)
         missing = set(want) - set(got)
@@ -97,7 +97,7 @@ def describe(shapes: Mapping[str, Sequence[int]]) -> str:
     return ", ".join(f"{k} {list(v)}" for k, v in shapes.items())
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """The error's first line, without ONNX Runtime's "[ONNXRuntimeError] : 1 : FAIL : " prefix."""
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", lines[0])[:300] if lines else type(e).__name__

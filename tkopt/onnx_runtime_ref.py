@@ -11,7 +11,7 @@ TKOPT_ORT_LIBRARY) and then fused models run in ORT itself.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -24,7 +24,7 @@ from onnx.reference.op_run import OpRun
 
 from tkopt.fused_ops import SCHEMAS, run_reference
 from tkopt.ir import FUSED_DOMAIN
-from tkopt.ort.run import session
+from tkopt.ort.run import CPU_PROVIDERS, session
 
 
 def to_torch(a: np.ndarray | None) -> torch.Tensor | None:
@@ -147,16 +147,18 @@ def run_model(
     inputs: Mapping[str, np.ndarray],
     provider: str = "auto",
     custom_ops_library: str | None = None,
+    ort_providers: Sequence[str] = CPU_PROVIDERS,
 ) -> dict[str, np.ndarray]:
     """Outputs by name. provider: "ort" (fused nodes need the native library), "hybrid" (standard
     ops in ORT, tkopt ops in torch), "reference" (onnx's ReferenceEvaluator with tkopt ops in
-    torch), or "auto": "ort" unless the model has tkopt nodes and no native library, else "hybrid"."""
+    torch), or "auto": "ort" unless the model has tkopt nodes and no native library, else "hybrid".
+    `ort_providers`: ORT's execution providers for "ort" (a GPU target's library needs CUDA's)."""
     lib = custom_ops_library or native_library()
     if provider == "auto":
         provider = "hybrid" if has_fused_nodes(model) and lib is None else "ort"
     names = [o.name for o in model.graph.output]
     if provider == "ort":
-        outs = session(model, lib if has_fused_nodes(model) else None).run(names, dict(inputs))
+        outs = session(model, lib if has_fused_nodes(model) else None, ort_providers).run(names, dict(inputs))
     elif provider == "hybrid":
         return run_hybrid(model, inputs)
     elif provider == "reference":

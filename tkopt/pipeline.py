@@ -9,7 +9,7 @@ sealed; here the report is made.
 2. kernels: the target builds each candidate's kernel; a node whose kernel fails runs unfused, with a warning.
 3. select: "all" keeps every candidate with a kernel. "measured" times each against what it replaces on the
    target, at its real shapes, and keeps it only if it is at least MARGIN faster; decisions are cached on
-   disk (tkopt.decisions), the time spent is bounded (TKOPT_SELECT_SECONDS) and shown with a progress bar.
+   disk (tkopt.decisions), the time spent is bounded (TKOPT_SELECT_SECONDS) and shown (tkopt.progress).
 4. seal: drop what only the unfused fallbacks read.
 5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
 6. whole graph ("measured"): the artifact against the plain alternatives the user already has (eager;
@@ -20,17 +20,14 @@ sealed; here the report is made.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+from tkopt import progress
 from tkopt.decisions import DecisionCache
 from tkopt.ir import Graph, Node
 from tkopt.measure import Timing
@@ -95,12 +92,16 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
         t = now
 
     ops_before = graph.count_ops()
-    passes = run_passes(graph, disable)
+    with progress.step("passes (canonicalize, recognize, fuse)"):
+        passes = run_passes(graph, disable)
     lap("passes")
     candidates = [n for n in graph.nodes if n.is_fused]
     decisions = {n.name: NodeDecision(n.name, n.op, passes.fused_by.get(n.name, "?"), len(n.replaced))
                  for n in candidates}
-    failed = target.probe(graph, candidates) if candidates else {}
+    failed: dict[str, str] = {}
+    if candidates:
+        with progress.step(f"building kernels for {len(candidates)} fused nodes on {target.where}"):
+            failed = target.probe(graph, candidates)
     for n in candidates:
         if n.name in failed:
             _decide(decisions[n.name], "kernel_failed", failed[n.name])
@@ -119,7 +120,8 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     lap("emit")
     whole, winner = None, "tkopt"
     if cache is not None and target.alternatives():
-        whole = _whole(graph, target, artifact, cache)
+        with progress.step("timing the whole graph against the plain alternatives"):
+            whole = _whole(graph, target, artifact, cache)
         winner = whole.winner
         if winner != "tkopt":
             artifact = target.alternative(winner)
@@ -185,7 +187,7 @@ def _select(graph: Graph, target: Target, alive: list[Node], decisions: dict[str
     budget = select_seconds()
     deadline = time.perf_counter() + budget
     reps = [group[0] for group in groups.values()]
-    with _progress(len(reps), f"tkopt: timing fusions on {target.where}") as advance:
+    with progress.step(f"timing fusions on {target.where}", total=len(reps)) as advance:
         measured = target.measure(graph, reps, _wins)
         try:
             for m in measured:
@@ -221,13 +223,3 @@ def _whole(graph: Graph, target: Target, artifact: Any, cache: DecisionCache) ->
     winner = "tkopt" if times["tkopt"] * WHOLE_MARGIN <= times[best] else best
     cache.put(key, {"winner": winner, "times_ms": times, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return WholeGraph(winner, times)
-
-
-@contextlib.contextmanager
-def _progress(total: int, description: str) -> Iterator[Callable[[], None]]:
-    """A progress bar on stderr while measuring (nothing when stderr is not a terminal)."""
-    console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda: bar.advance(task)

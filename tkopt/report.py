@@ -74,6 +74,7 @@ class Report:
     output: str | None = None
     library: str | None = None
     accuracy: Accuracy | None = None
+    notes: list[str] = field(default_factory=list)  # what the user must know about the output, one line each
 
     # ---- queries --------------------------------------------------------------------------------
     def decided(self, decision: str) -> list[NodeDecision]:
@@ -114,6 +115,7 @@ class Report:
             "ops_after": dict(self.ops_after),
             "seconds": dict(self.seconds),
             "accuracy": None if self.accuracy is None else self.accuracy.to_dict(),
+            "notes": list(self.notes),
         })
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -148,7 +150,9 @@ class Report:
         console.print(t)
         if self.nodes:
             console.print(self._node_table(verbose))
-        if self.whole_graph is not None:
+        if self.whole_graph is not None and not self.whole_graph.times_ms:
+            console.print(f"whole graph: tkopt's runs; {self.whole_graph.note}")
+        elif self.whole_graph is not None:
             w = self.whole_graph
             ordered = sorted(w.times_ms.items(), key=lambda kv: kv[0] != "tkopt")
             times = ", ".join(f"{k} {v:.3f} ms" for k, v in ordered)
@@ -170,6 +174,8 @@ class Report:
             console.print(f"op library ({self.target}): {self.library}")
         if self.accuracy is not None:
             self._render_accuracy(console)
+        for note in self.notes:
+            console.print(f"[yellow]note[/yellow]: {note}")
 
     def _node_table(self, verbose: bool) -> Table:
         """Every fused node with its times (verbose), else one row per (op, decision, reason) with a count
@@ -214,13 +220,6 @@ class Report:
     def _render_accuracy(self, console: Console) -> None:
         a = self.accuracy
         assert a is not None
-        if not a.checked:
-            console.print(f"[yellow]accuracy check skipped[/yellow]: {a.skipped[0] if a.skipped else 'no run'}")
-            return
-        console.print(f"accuracy checked at {len(a.runs)} input size(s): "
-                      + "; ".join(", ".join(f"{k} {v}" for k, v in r.items()) for r in a.runs))
-        for why in a.skipped:
-            console.print(f"  not checked at {why}")
         if not a.checked:
             console.print(f"[yellow]accuracy check skipped[/yellow]: {a.skipped[0] if a.skipped else 'no run'}")
             return

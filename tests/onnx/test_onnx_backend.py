@@ -167,11 +167,13 @@ def test_make_inputs_masks_and_ids() -> None:
 def test_save_external_data_and_atomicity(ts_model: Path, tmp_path: Path) -> None:
     model = export_onnx(import_onnx(ts_model))
     out = save(model, tmp_path / "a.onnx", external_data=True, size_threshold=0)
-    assert (tmp_path / "a.onnx.data").exists()
+    data = [p.name for p in tmp_path.iterdir() if p.name.startswith("a.onnx.") and p.name.endswith(".data")]
+    assert len(data) == 1  # named by its content: a.onnx.<digest>.data
     assert import_onnx(out).meta["external_data"]
     assert all(t.HasField("raw_data") or t.float_data for t in model.graph.initializer)  # caller's proto untouched
     save(model, tmp_path / "b.onnx")
-    assert not (tmp_path / "b.onnx.data").exists() and onnx.load(str(tmp_path / "b.onnx")) == model
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.onnx", *data, "b.onnx"])
+    assert onnx.load(str(tmp_path / "b.onnx")) == model
     (tmp_path / "dir.onnx").mkdir()
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(OSError):

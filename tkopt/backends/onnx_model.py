@@ -8,21 +8,27 @@ checker (full_check) and shape inference understand the fused nodes.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-import shutil
+import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import set_external_data
 
+from tkopt.files import chmod_default
 from tkopt.frontends.onnx import CONST_INPUT_ATTRS, ELEM_TYPES, outer_reads
 from tkopt.fused_ops import SCHEMAS
 from tkopt.fused_ops.onnx_schema import FUSED_OPSET, register_schemas
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 from tkopt.onnx_checker import checkable
+from tkopt.ort.metadata import LIBRARY_KEY, TARGET_KEY
 
 DEFAULT_OPSET = 18  # for graphs that did not come from ONNX
 TWO_GB = 2**31
@@ -201,34 +207,102 @@ def check(model: onnx.ModelProto) -> None:
 
 
 # ---- saving -----------------------------------------------------------------------------------
+_DIGEST = 10  # hex digits of a companion file's content hash in its name
+
+
+def library_name(model_path: str | Path, target: str, digest: str) -> str:
+    """The op library's file name beside a model written at `model_path`: `<stem>.tkopt-<target>-<digest>.so`."""
+    return f"{Path(model_path).stem.removesuffix('.tkopt')}.tkopt-{target}-{digest}.so"
+
+
 def save(
-    model: onnx.ModelProto, path: str | Path, external_data: bool | None = None, size_threshold: int = 1024
+    model: onnx.ModelProto, path: str | Path, external_data: bool | None = None, size_threshold: int = 1024,
+    library: str | Path | None = None,
 ) -> Path:
-    """Write `model` atomically: all or nothing, model file and its external data file alike.
+    """Write `model` and its companion files as one transaction: a reader sees the old output or the new one.
 
     `external_data=None` means: only when the model is 2 GB or more. The data goes to
-    `<name>.data` next to the model (tensors of `size_threshold` bytes or more). Both files are
-    written into a temporary directory beside the target and moved into place with os.replace, so
-    a failure leaves no half-written file.
+    `<name>.<digest>.data` beside the model (tensors of `size_threshold` bytes or more); `library` (the op
+    library the model's fused nodes run on; its target is the model's `tkopt.target` metadata) is copied to
+    `library_name(...)`, which the model's metadata then names. Companions are named by their content, so
+    moving them in never touches a file the current model at `path` reads; replacing the model file is the
+    one commit point; only then are the companions the replaced model named, and the new one does not, removed.
+    A failure before the commit removes what it moved in and leaves the old output as it was.
     """
     path = Path(path)
     if external_data is None:
         external_data = model.ByteSize() >= TWO_GB
+    old = _companions(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        tmp_model = os.path.join(tmp, path.name)
-        if external_data:
-            location = f"{path.name}.data"
+    moved: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+        try:
             copy = onnx.ModelProto()
-            copy.CopyFrom(model)  # save_model rewrites tensors to point at the data file
-            onnx.save_model(copy, tmp_model, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=location, size_threshold=size_threshold)
-            if os.path.exists(os.path.join(tmp, location)):
-                os.replace(os.path.join(tmp, location), path.parent / location)
-        else:
-            onnx.save_model(model, tmp_model)
-        os.replace(tmp_model, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            copy.CopyFrom(model)  # the caller's proto keeps its data and metadata
+            staged: list[tuple[Path, Path, bool]] = []  # (temporary, final, executable)
+            if library is not None:
+                data = Path(library).read_bytes()
+                meta = {p.key: p.value for p in copy.metadata_props}
+                name = library_name(path, meta[TARGET_KEY], _digest([data]))
+                helper.set_model_props(copy, {**meta, LIBRARY_KEY: name})
+                (Path(tmp) / name).write_bytes(data)
+                staged.append((Path(tmp) / name, path.parent / name, True))
+            if external_data:
+                tensors = [t for t in _initializers(copy.graph)
+                           if t.HasField("raw_data") and len(t.raw_data) >= size_threshold]
+                if tensors:
+                    location = f"{path.name}.{_digest([t.name.encode() + t.raw_data for t in tensors])}.data"
+                    for t in tensors:
+                        set_external_data(t, location)
+                    staged.append((Path(tmp) / location, path.parent / location, False))
+            onnx.save_model(copy, os.path.join(tmp, path.name))  # writes the tensors set external to tmp/<location>
+            for src, dst, executable in staged:
+                chmod_default(src, executable)
+                if not dst.exists():
+                    moved.append(dst)
+                os.replace(src, dst)
+            chmod_default(os.path.join(tmp, path.name))
+            os.replace(os.path.join(tmp, path.name), path)
+        except BaseException:
+            for f in moved:
+                with contextlib.suppress(OSError):
+                    f.unlink()
+            raise
+    for stale in old - _companions(path):
+        with contextlib.suppress(OSError):
+            stale.unlink()
     return path
+
+
+def _digest(chunks: list[bytes]) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(len(c).to_bytes(8, "little"))
+        h.update(c)
+    return h.hexdigest()[:_DIGEST]
+
+
+def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every initializer, subgraphs' included."""
+    yield from graph.initializer
+    for n in graph.node:
+        for a in n.attribute:
+            for g in [a.g] if a.HasField("g") else a.graphs:
+                yield from _initializers(g)
+
+
+def _companions(path: Path) -> set[Path]:
+    """The files `save` wrote beside the model now at `path` that it reads: its external data and op library
+    (names of save's own form only, so a file a user made is never touched). Empty if there is no model."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - no model, or not one of ours: nothing to clean up
+        return set()
+    names = {e.value for t in _initializers(model.graph) for e in t.external_data if e.key == "location"}
+    data = re.compile(rf"{re.escape(path.name)}\.[0-9a-f]{{{_DIGEST}}}\.data")
+    found = {path.parent / n for n in names if data.fullmatch(n)}
+    meta = {p.key: p.value for p in model.metadata_props}
+    lib = meta.get(LIBRARY_KEY, "")
+    if re.fullmatch(rf"{re.escape(path.stem.removesuffix('.tkopt'))}\.tkopt-\w+-[0-9a-f]{{{_DIGEST}}}\.so", lib):
+        found.add(path.parent / lib)
+    return found

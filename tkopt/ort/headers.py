@@ -63,13 +63,22 @@ def _fetch(dest: Path) -> Path:
             "building the ORT op library needs ONNX Runtime's C API headers; npm is not installed to fetch "
             f"{NPM_PACKAGE}. Install npm, or set TKOPT_ORT_INCLUDE to a directory with {', '.join(REQUIRED)}"
         )
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(
-            [npm, "pack", NPM_PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True, timeout=900
-        )
+    from tkopt import progress
+
+    with tempfile.TemporaryDirectory() as tmp, progress.step(f"fetching ONNX Runtime's C API headers ({NPM_PACKAGE}, "
+                                                             "npm, first build only)"):
+        try:
+            proc = subprocess.run([npm, "pack", NPM_PACKAGE, "--silent"], cwd=tmp, capture_output=True, text=True,
+                                  timeout=300)
+        except subprocess.TimeoutExpired:
+            proc = subprocess.CompletedProcess([], 1, "", "no answer in 300 s")
         tgz = next(Path(tmp).glob("*.tgz"), None)
         if proc.returncode != 0 or tgz is None:
-            raise HeadersError(f"`npm pack {NPM_PACKAGE}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            raise HeadersError(f"`npm pack {NPM_PACKAGE}` failed ({said[0] if said else f'exit {proc.returncode}'}): "
+                               "the first op library build fetches ONNX Runtime's C API headers from the npm "
+                               "registry, so it needs the network once; or set TKOPT_ORT_INCLUDE to a directory "
+                               f"with {', '.join(REQUIRED)}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=dest.parent))  # same filesystem, so os.replace is atomic
         try:

@@ -15,12 +15,14 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from tkopt import progress
 from tkopt.fused_ops import ProgramSpec, Unservable, schema
 from tkopt.ir import Node
 
 from .native import KernelSource, LibraryBuildError, NodeBinding, compile_objects, link_library, lower_program
 
 TARGETS = ("cpu", "sm80", "sm90")
+CHOICES = ("auto", *TARGETS, "none")  # what --target takes
 
 
 def check_target(target: str) -> None:
@@ -33,9 +35,67 @@ def check_target(target: str) -> None:
         raise ValueError(f"--target {target} needs nvcc (the CUDA toolkit) on PATH to build the op library")
 
 
+def resolve_target(target: str | None) -> tuple[str | None, str | None]:
+    """(the target to build for, or None for no op library; a line saying how "auto" chose).
+
+    "auto": this machine's GPU arch (sm90 on Hopper, sm80 on other GPUs from Ampere on) where nvcc and an
+    onnxruntime with the CUDA provider are present, so the library it builds runs here; else "cpu".
+    """
+    if target in (None, "none"):
+        return None, None
+    if target != "auto":
+        check_target(target)
+        return target, None
+    why = cuda_missing()
+    if why is not None:
+        return "cpu", f"--target auto chose cpu: {why}"
+    from tkopt.kernels.arch import device_sm
+
+    sm = device_sm()
+    arch = "sm90" if sm == "sm_90" else "sm80" if sm is not None and int(sm[3:]) >= 80 else None
+    if arch is None:
+        return "cpu", f"--target auto chose cpu: GPU {sm} is older than sm_80, which tkopt's kernels need"
+    return arch, f"--target auto chose {arch} (GPU {sm}, nvcc and onnxruntime's CUDA provider present)"
+
+
+def cuda_missing() -> str | None:
+    """Why an op library for a GPU target cannot run here (None if it can): a GPU, nvcc, a CUDA onnxruntime."""
+    import shutil
+
+    import onnxruntime as ort
+
+    from tkopt.kernels.arch import device_sm
+
+    if device_sm() is None:
+        return "no CUDA GPU here"
+    if shutil.which("nvcc") is None:
+        return "nvcc (the CUDA toolkit) is not on PATH"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu in its place)"
+    return None
+
+
+def check_prerequisites(target: str) -> None:
+    """What building `target`'s library needs, checked before any work (one line each when missing): a C++
+    compiler (nvcc's host compiler too), nvcc for GPU targets, and ONNX Runtime's C API headers (fetched once
+    with npm, which needs the network the first time, or TKOPT_ORT_INCLUDE)."""
+    import os
+    import shutil
+
+    from . import headers
+
+    check_target(target)
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise ValueError(f"--target {target} builds a native op library and needs a C++ compiler: {cxx} is not "
+                         "on PATH (install g++, or set CXX); --target none skips the library")
+    headers.include_dir()
+
+
 def _lowered(spec: ProgramSpec, target: str) -> KernelSource:
     """The kernel for a program, lowered once per (program key, target, versions) and kept on disk."""
-    from tkopt.cache import cache_path, digest, versions, write_atomic
+    from tkopt.cache import cache_path, digest, versions
+    from tkopt.files import write_atomic
 
     name = digest(repr(spec.key), target, versions())
     path = cache_path("ort-kernels", f"{name}.json")
@@ -69,13 +129,17 @@ class KernelLibrary:
         todo = {spec.key: spec for name, spec in self.specs.items() if name not in failed
                 and spec.key not in self.objects}
         errors: dict[tuple, str] = {}
-        for key, spec in todo.items():  # one at a time: lowering in threads measured slower here (the GIL)
-            try:
-                self.kernels[key] = _lowered(spec, self.target)
-            except Exception as e:  # noqa: BLE001 - any lowering failure: this kernel is unusable
-                errors[key] = f"kernel failed to lower: {type(e).__name__}: {e}"
+        with progress.step(f"lowering kernels with TileLang for {self.target}", total=len(todo)) as advance:
+            for key, spec in todo.items():  # one at a time: lowering in threads measured slower here (the GIL)
+                try:
+                    self.kernels[key] = _lowered(spec, self.target)
+                except Exception as e:  # noqa: BLE001 - any lowering failure: this kernel is unusable
+                    errors[key] = f"kernel failed to lower: {type(e).__name__}: {e}"
+                advance()
         lowered = [k for k in todo if k in self.kernels]
-        built = compile_objects([self.kernels[k] for k in lowered], self.target)
+        with progress.step(f"compiling {len(lowered)} kernels ({'g++' if self.target == 'cpu' else 'nvcc'}; "
+                           "cached on disk)"):
+            built = compile_objects([self.kernels[k] for k in lowered], self.target)
         for key in lowered:
             obj = built[self.kernels[key].symbol]
             if isinstance(obj, LibraryBuildError):

@@ -258,7 +258,8 @@ def _run(cmd: list[str], target: str, what: str) -> None:
 def compile_object(kernel: KernelSource, target: str) -> Path:
     """One kernel's object file, compiled once per (source, compiler, flags) and kept in the tkopt cache,
     so the next library with this kernel, in any process, only links it."""
-    from tkopt.cache import cache_path, digest, versions, write_atomic
+    from tkopt.cache import cache_path, digest, versions
+    from tkopt.files import write_atomic
 
     cmd = _compile_command(target)
     obj = cache_path("ort-kernels", f"{digest(kernel.source, cmd[1:], _compiler_id(cmd[0]), versions())}.o")
@@ -292,7 +293,8 @@ def link_library(bindings: list[NodeBinding], kernels: list[KernelSource], objec
     """The library for `bindings`: its generated main source compiled and linked with the kernels'
     objects into `out_path`, atomically; LibraryBuildError carries the compiler output. Libraries are
     cached on disk by what they are built from (compiling ORT's C++ API header takes seconds)."""
-    from tkopt.cache import cache_path, digest, write_atomic
+    from tkopt.cache import cache_path, digest
+    from tkopt.files import write_atomic
 
     out_path = Path(out_path)
     cmd = _compile_command(target)

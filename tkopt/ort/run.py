@@ -41,7 +41,7 @@ def session(model: onnx.ModelProto | str | Path, library: str | Path | None = No
     so = ort.SessionOptions()
     so.log_severity_level = 4  # errors reach the caller as exceptions; ORT's logger would print them again
     if library is not None:
-        so.register_custom_ops_library(str(library))
+        so.register_custom_ops_library(str(Path(library).resolve()))
     if not isinstance(model, onnx.ModelProto):
         return ort.InferenceSession(str(model), so, providers=list(provider_list))
     if model.ByteSize() < TWO_GB:
@@ -51,6 +51,55 @@ def session(model: onnx.ModelProto | str | Path, library: str | Path | None = No
     with tempfile.TemporaryDirectory() as d:
         path = save(model, Path(d) / "model.onnx", external_data=True)
         return ort.InferenceSession(str(path), so, providers=list(provider_list))
+
+
+def check_loads(model: onnx.ModelProto, source: str) -> None:
+    """Refuse, in one line, a model ONNX Runtime cannot load (an op or domain it does not know, a broken
+    graph): a target runs the original model to build and measure its kernels, and bench runs it too."""
+    import onnxruntime as ort
+
+    from tkopt.differential import first_line
+
+    try:
+        session(model)
+    except Exception as e:  # noqa: BLE001 - ORT raises its own types; the message is what matters
+        raise ValueError(f"{source} does not load in ONNX Runtime {ort.__version__} ({first_line(e)}); tkopt runs "
+                         "the original model to build, measure and check kernels (--target none fuses it "
+                         "without running it)") from e
+
+
+class Bound:
+    """A session called again and again on fixed feeds: on CUDA the inputs stay on the GPU and the outputs
+    are left there (IO binding), so a timed call is the session's work, not host-device copies (ORT's Run
+    synchronizes its stream before returning, so a wall-clock timer holds)."""
+
+    def __init__(self, sess: Any, feeds: Mapping[str, np.ndarray], outputs: Sequence[str],
+                 provider_list: Sequence[str] = CPU_PROVIDERS) -> None:
+        self.session, self.outputs, self.feeds = sess, list(outputs), dict(feeds)
+        self.binding = None
+        if provider_list[0] == "CUDAExecutionProvider":
+            import onnxruntime as ort
+
+            self.binding = sess.io_binding()
+            self._device_inputs = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", 0)
+                                   for v in self.feeds.values()]
+            for name, value in zip(self.feeds, self._device_inputs, strict=True):
+                self.binding.bind_ortvalue_input(name, value)
+            for name in self.outputs:
+                self.binding.bind_output(name, "cuda", 0)
+
+    def __call__(self) -> None:
+        if self.binding is None:
+            self.session.run(self.outputs, self.feeds)
+        else:
+            self.session.run_with_iobinding(self.binding)
+
+    def results(self) -> dict[str, np.ndarray]:
+        """One call, its outputs on the host by name."""
+        if self.binding is None:
+            return dict(zip(self.outputs, self.session.run(self.outputs, self.feeds), strict=True))
+        self.session.run_with_iobinding(self.binding)
+        return dict(zip(self.outputs, self.binding.copy_outputs_to_cpu(), strict=True))
 
 
 def _dim_size(dim: int | str | None, sizes: tuple[int, int], dims: Mapping[str, int]) -> int:

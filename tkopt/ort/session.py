@@ -15,22 +15,24 @@ from typing import Any
 
 import onnx
 
-LIBRARY_KEY = "tkopt.op_library"
-TARGET_KEY = "tkopt.target"
+from .metadata import LIBRARY_KEY, TARGET_KEY
 
 
 class OpLibraryError(RuntimeError):
     """The model's tkopt op library is missing or cannot be loaded; the message names it."""
 
 
+def _meta(model_path: str | Path) -> dict[str, str]:
+    model = onnx.load(str(model_path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+
+
 def library_for(model_path: str | Path) -> Path | None:
     """The op library a tkopt model names in its metadata, resolved beside the model; None if it names none."""
-    model_path = Path(model_path)
-    model = onnx.load(str(model_path), load_external_data=False)
-    meta = {p.key: p.value for p in model.metadata_props}
+    meta = _meta(model_path)
     if LIBRARY_KEY not in meta:
         return None
-    return model_path.parent / meta[LIBRARY_KEY]
+    return Path(model_path).parent / meta[LIBRARY_KEY]
 
 
 def InferenceSession(  # noqa: N802 - named after the onnxruntime class it stands in for
@@ -41,11 +43,15 @@ def InferenceSession(  # noqa: N802 - named after the onnxruntime class it stand
 ) -> Any:
     """An onnxruntime.InferenceSession with the tkopt op library registered.
 
-    `library` defaults to the one the model names. A missing library, or one ORT refuses, raises
+    `library` defaults to the one the model names. `providers` default to the CUDA provider (then the CPU's)
+    for a model built for a GPU target, else the CPU's. A missing library, or one ORT refuses, raises
     OpLibraryError with ORT's message and a hint naming the library.
     """
     import onnxruntime as ort
 
+    from .run import CPU_PROVIDERS, CUDA_PROVIDERS
+
+    meta = _meta(model_path)
     lib = Path(library) if library is not None else library_for(model_path)
     so = sess_options or ort.SessionOptions()
     if lib is not None:
@@ -55,11 +61,17 @@ def InferenceSession(  # noqa: N802 - named after the onnxruntime class it stand
                 f"`tkopt optimize <original model> --target <cpu|sm80|sm90>` or pass library=..."
             )
         try:
-            so.register_custom_ops_library(str(lib))
+            so.register_custom_ops_library(str(lib.resolve()))  # a bare name would be looked up on the loader's path
         except Exception as e:  # ORT raises its own types; keep its message
             raise OpLibraryError(f"onnxruntime could not load tkopt op library {lib}: {e}") from e
+    target = meta.get(TARGET_KEY, "cpu")
+    if target != "cpu" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise OpLibraryError(f"{model_path}: its op library is built for {target}, which runs on ONNX Runtime's CUDA "
+                             "provider: this onnxruntime has none (install onnxruntime-gpu in its place)")
+    if providers is None:
+        providers = CUDA_PROVIDERS if target != "cpu" else CPU_PROVIDERS
     try:
-        return ort.InferenceSession(str(model_path), so, providers=providers or ["CPUExecutionProvider"])
+        return ort.InferenceSession(str(model_path), so, providers=providers)
     except Exception as e:
         if "tkopt" in str(e) and lib is None:
             raise OpLibraryError(
