@@ -29,7 +29,7 @@ def test_backend_encoder_layer_on_gpu(training: bool) -> None:
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(256, 4, 512, dropout=0.0, batch_first=True).cuda().half().train(training)
     torch._dynamo.reset()
-    backend = make_backend()
+    backend = make_backend(select="all")  # counts asserted: keep every fusion
     fast = torch.compile(model, backend=backend, dynamic=True)
     x = torch.randn(2, 77, 256, device="cuda", dtype=torch.half)
     with torch.set_grad_enabled(training):
@@ -57,7 +57,7 @@ def test_compiled_decoder_decodes_on_gpu() -> None:
         warnings.simplefilter("ignore")
         model = tiny_model("llama", "AutoModelForCausalLM", hidden_size=256, head_dim=64, intermediate_size=512).cuda()
         ids = torch.randint(1, 128, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-        fast = tkopt.compile(model, (ids,))
+        fast = tkopt.compile(model, (ids,), select="all")
         outs = []
         for fn in (model, fast):
             with torch.no_grad():

@@ -19,11 +19,11 @@ import pytest
 LINE = "user script body ran"
 
 
-def _run_once(script: str, tmp_path: Path, timeout: int) -> None:
+def _run_once(script: str, tmp_path: Path, timeout: int, **env_vars: str) -> None:
     """Run `script` as a user would; its body must run once, and the script must succeed."""
     path = tmp_path / "user_script.py"
     path.write_text(textwrap.dedent(script))
-    env = {**os.environ, "TKOPT_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "TKOPT_CACHE_DIR": str(tmp_path / "cache"), **env_vars}
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=tmp_path)
     assert proc.stdout.count(LINE) == 1, proc.stdout
@@ -62,4 +62,4 @@ def test_compile_does_not_rerun_an_unguarded_script(tmp_path: Path) -> None:
         compiled = tkopt.compile(model, (x,), select="all")
         assert compiled.tkopt_report.fusions["gemm"] == 3
         torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
-    """, tmp_path, timeout=1200)
+    """, tmp_path, timeout=1200, TKOPT_AUTOTUNE="1")  # tuning is what precompiles (gpu_session turns it off)
