@@ -66,11 +66,12 @@ def _band(window: int) -> torch.Tensor:
 
 # ---- the modules ------------------------------------------------------------------------------------
 class BufferMask(nn.Module):
-    """masked_fill(~buffer[:s, :s], -inf): tril for window >= N_BUF, else a sliding-window band."""
+    """masked_fill(~buffer[:s, :s], -inf): tril for window >= N_BUF, else a sliding-window band. The masks are
+    non-persistent buffers, as in transformers (a persistent one is state the user may load: no constant)."""
 
     def __init__(self, window: int = N_BUF) -> None:
         super().__init__()
-        self.register_buffer("keep", _band(window))
+        self.register_buffer("keep", _band(window), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]
@@ -98,7 +99,7 @@ class FiniteFillThenScale(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("keep", _band(N_BUF))
+        self.register_buffer("keep", _band(N_BUF), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]
@@ -191,7 +192,7 @@ class BottomRight(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("keep", _band(N_BUF))
+        self.register_buffer("keep", _band(N_BUF), persistent=False)
 
     def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
         s, t = x.shape[1], mem.shape[1]
@@ -205,7 +206,7 @@ class FinfoCausalPlusPadding(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("keep", _band(N_BUF))
+        self.register_buffer("keep", _band(N_BUF), persistent=False)
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]
@@ -485,7 +486,7 @@ def test_hf_causal_mask_from_positions_is_proven(model_type: str) -> None:
     """A transformers decoder called without attention_mask builds its mask from positions (iotas indexed
     by aten::index, the packed-sequence check cumsum(diff(positions) != 1)): proven causal, causal=1,
     fused == eager at lengths 1, 7 and 37."""
-    from tkopt.models.hf import tiny_causal_lm
+    from tkopt.models.hf import tiny_model
 
     class Body(nn.Module):
         def __init__(self, lm: nn.Module) -> None:
@@ -496,7 +497,7 @@ def test_hf_causal_mask_from_positions_is_proven(model_type: str) -> None:
             return self.lm(input_ids=ids, use_cache=False).logits
 
     torch.manual_seed(0)
-    module = Body(tiny_causal_lm(model_type, num_hidden_layers=1)).eval()
+    module = Body(tiny_model(model_type, "AutoModelForCausalLM", num_hidden_layers=1)).eval()
     ids = torch.randint(1, 100, (2, 9))
     ep = torch.export.export(module, (ids,), dynamic_shapes=({0: Dim("b", max=8), 1: Dim("s", max=64)},))
     graph = import_fx(ep)

@@ -25,13 +25,7 @@ SLICE = [(seed, "fx") for seed in FX_SEEDS] + [
     (57, "fx"), (98, "fx"), (98, "onnx-dynamo"), (30, "onnx-dynamo"),
 ]
 # (seed, path) -> the open defect it shows (issue 8, engineer legality); strict xfails
-KNOWN: dict[tuple[int, str], str] = {
-    (57, "fx"): "defect 2: a row masked with a finite fill (where(mask, s, finfo.min)) attends uniformly in eager, "
-                "the fused attention treats the fill as -inf",
-    (98, "fx"): "defect 3: a row with every key masked by -inf is NaN in eager, 0 fused",
-    (98, "onnx-dynamo"): "defect 5: SDPA(enable_gqa=True) from the dynamo exporter crashes the attention pass",
-    (30, "onnx-dynamo"): "defect 6: an int64 MatMul becomes FusedGemm and the model fails onnx.checker",
-}
+KNOWN: dict[tuple[int, str], str] = {}
 
 
 def _param(seed: int, path: str) -> object:
