@@ -247,7 +247,10 @@ def _report_summary(fn: Any) -> Any:
         return None
     to_dict = getattr(rep, "to_dict", None)
     d = to_dict() if callable(to_dict) else {"fusions": getattr(rep, "fusions", None)}
-    return {k: d[k] for k in ("candidates", "fusions", "total_fused", "whole_graph", "seconds") if k in d}
+    out = {k: d[k] for k in ("candidates", "fusions", "total_fused", "whole_graph", "seconds", "notes") if k in d}
+    out["nodes"] = [{k: n.get(k) for k in ("node", "op", "decision", "reason", "fused_ms", "unfused_ms")}
+                    for n in d.get("nodes", [])]
+    return out
 
 
 def _cell(v: dict[str, Any]) -> str:
