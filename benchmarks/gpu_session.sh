@@ -44,6 +44,7 @@ case "$phase" in
       case "$b" in
         gemm) timeout 120 python benchmarks/bench_gemm.py --out "$out" ;;
         gemm_fp32) timeout 150 python benchmarks/bench_gemm.py --fp32 --out "$out" ;;
+        whole) timeout "${WHOLE_TIMEOUT:-500}" python benchmarks/whole_models.py --out "$out" ${WHOLE_ARGS:-} ;;
         attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
         norm) timeout 60 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
               timeout 60 python benchmarks/bench_norm.py --phase measure --out "$out" ;;
