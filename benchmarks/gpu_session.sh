@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
 #                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only)
-# Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES, MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
+# Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
+# WHOLE_TIMEOUT), MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
 # onnxruntime-gpu wheel (CUDA 13) installed into a temporary folder ahead of the image's CPU onnxruntime, so the
 # CUDA-target op libraries run in ORT (tests/ort/test_cuda_session.py; skipped without it).
 # Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
