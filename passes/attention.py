@@ -38,9 +38,9 @@ from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
 from .masks import MaskAnalysis, aligned, prove_causal
-from .patterns import GraphIndex, norm_axes, norm_axis
+from .patterns import norm_axes, norm_axis
 from .pipeline import register
-from .shapes import LOCAL_EVALUATORS, Shape, as_int, same
+from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, same
 
 IDENT = (0, 1, 2, 3)
 SWAP = (0, 1, 3, 2)  # K^T from a BHSD K
@@ -58,7 +58,7 @@ class _Refuse(Exception):
     """An attention near miss: the message is the reason."""
 
 
-class _View(GraphIndex):
+class _View(ShapedIndex):
     """The graph with producers and users indexed (rebuilt after every fusion), plus constants."""
 
     def __init__(self, graph: Graph) -> None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .patterns import GraphIndex, const_scalar, is_op, is_vector_of, other_input
+from .patterns import const_scalar, is_op, is_vector_of, other_input
 from .pipeline import register
-from .shapes import shape_mismatch
+from .shapes import ShapedIndex, shape_mismatch
 
 MATMUL_OPS = ("MatMul", "Gemm", "Linear")
 SIMPLE_ACTIVATIONS = {"Relu": "relu", "Silu": "silu", "Sigmoid": "sigmoid"}
@@ -48,7 +48,7 @@ class Base:
         return self.b.shape[0] if self.trans_b else self.b.shape[1]  # type: ignore[index]
 
 
-def _weight(ix: GraphIndex, b: Value, trans_b: int) -> tuple[Value, int, list[Node]]:
+def _weight(ix: ShapedIndex, b: Value, trans_b: int) -> tuple[Value, int, list[Node]]:
     """(B, trans_b, []), or for B = Transpose(W) of a constant 2-D W read only here, (W, flipped
     trans_b, [the Transpose]): a linear layer's weight as exporters and decompositions write it."""
     t = ix.producer(b, "Transpose")
@@ -59,7 +59,7 @@ def _weight(ix: GraphIndex, b: Value, trans_b: int) -> tuple[Value, int, list[No
     return b, trans_b, []
 
 
-def match_base(ix: GraphIndex, node: Node, result: PassResult | None) -> Base | None:
+def match_base(ix: ShapedIndex, node: Node, result: PassResult | None) -> Base | None:
     """`node` as a GEMM with a 2-D weight, or None (refusing near misses when `result` is given).
 
     A 2-D GEMM between Reshapes that flatten x's leading dims and restore them (how decomposed
@@ -70,7 +70,7 @@ def match_base(ix: GraphIndex, node: Node, result: PassResult | None) -> Base | 
     return base and _unflatten(ix, base)
 
 
-def _unflatten(ix: GraphIndex, base: Base) -> Base:
+def _unflatten(ix: ShapedIndex, base: Base) -> Base:
     flat = ix.producer(base.a, "Reshape")
     x = flat and flat.inputs[0]
     back = ix.sole_user(base.out, "Reshape")
@@ -86,7 +86,7 @@ def _unflatten(ix: GraphIndex, base: Base) -> Base:
     return base
 
 
-def _match_node(ix: GraphIndex, node: Node, result: PassResult | None) -> Base | None:
+def _match_node(ix: ShapedIndex, node: Node, result: PassResult | None) -> Base | None:
     a, b = node.inputs[0], node.inputs[1]
     if a is None or b is None or b.rank != 2 or a.rank is None or a.rank < 2:
         return None  # batched (attention) matmuls and vector products are not GEMM targets
@@ -124,7 +124,7 @@ def _match_node(ix: GraphIndex, node: Node, result: PassResult | None) -> Base |
     return base
 
 
-def _take_bias(ix: GraphIndex, base: Base) -> None:
+def _take_bias(ix: ShapedIndex, base: Base) -> None:
     if base.bias is not None or base.residual is not None:
         return
     add = ix.sole_user(base.out, "Add")
@@ -134,7 +134,7 @@ def _take_bias(ix: GraphIndex, base: Base) -> None:
         base.bias, base.out = c, add.outputs[0]
 
 
-def _take_activation(ix: GraphIndex, base: Base, result: PassResult) -> str:
+def _take_activation(ix: ShapedIndex, base: Base, result: PassResult) -> str:
     if base.residual is not None:
         return "none"
     users = ix.users(base.out)
@@ -151,7 +151,7 @@ def _take_activation(ix: GraphIndex, base: Base, result: PassResult) -> str:
     return activation_name(act)  # type: ignore[return-value]
 
 
-def _take_residual(ix: GraphIndex, base: Base) -> None:
+def _take_residual(ix: ShapedIndex, base: Base) -> None:
     if base.residual is not None:
         return
     add = ix.sole_user(base.out, "Add")
@@ -166,7 +166,7 @@ def _take_residual(ix: GraphIndex, base: Base) -> None:
 
 # ---- gated MLP (registered first: it claims the gate projection before the plain GEMM rule) ---
 
-def _projection(ix: GraphIndex, value: Value | None) -> Base | None:
+def _projection(ix: ShapedIndex, value: Value | None) -> Base | None:
     """`value` = x @ W (+ bias) from a MatMul/Linear/Gemm with a 2-D weight, read only once."""
     if value is None or not ix.single_use(value):
         return None
@@ -186,7 +186,7 @@ def _projection(ix: GraphIndex, value: Value | None) -> Base | None:
     return None
 
 
-def _gated(ix: GraphIndex, mul: Node, result: PassResult) -> tuple[Base, Base, Node, str] | None:
+def _gated(ix: ShapedIndex, mul: Node, result: PassResult) -> tuple[Base, Base, Node, str] | None:
     """mul = act(x @ Wg + bg) * (x @ Wu + bu) in either operand order."""
     for g, u in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
         act = ix.producer(g)
@@ -211,7 +211,7 @@ def _gated(ix: GraphIndex, mul: Node, result: PassResult) -> tuple[Base, Base, N
 @register("gated_mlp", fusion=True)
 def gated_mlp(graph: Graph, result: PassResult) -> None:
     """act(x @ Wg [+ bg]) * (x @ Wu [+ bu]) -> FusedGatedMLP (SwiGLU with silu, GeGLU with gelu)."""
-    ix = GraphIndex(graph)
+    ix = ShapedIndex(graph)
     for mul in [n for n in graph.nodes if is_op(n, "Mul")]:
         if not any(m is mul for m in graph.nodes) or const_scalar(mul.inputs[1], ix) is not None:
             continue
@@ -233,7 +233,7 @@ def gated_mlp(graph: Graph, result: PassResult) -> None:
 @register("gemm", fusion=True)
 def gemm(graph: Graph, result: PassResult) -> None:
     """MatMul/Gemm/Linear [+ bias] [+ activation] [+ residual Add] -> FusedGemm(A, B, bias, residual)."""
-    ix = GraphIndex(graph)
+    ix = ShapedIndex(graph)
     for node in [n for n in graph.nodes if is_op(n, MATMUL_OPS)]:
         base = match_base(ix, node, result)
         if base is None:

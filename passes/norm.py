@@ -12,9 +12,9 @@ import numpy as np
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .patterns import GraphIndex, is_last_axis, is_op, last_dim
+from .patterns import is_last_axis, is_op, last_dim
 from .pipeline import register
-from .shapes import shape_mismatch
+from .shapes import ShapedIndex, shape_mismatch
 
 KINDS = {"LayerNormalization": "layer", "RMSNormalization": "rms"}
 
@@ -29,7 +29,7 @@ def _param_problem(what: str, p: Value | None, x: Value) -> str | None:
     return None
 
 
-def _ones(ix: GraphIndex, p: Value | None, norm: Node) -> bool:
+def _ones(ix: ShapedIndex, p: Value | None, norm: Node) -> bool:
     """Whether weight `p` is ConstantOfShape(shape, 1) leaving the norm's output shape alone: the dynamo
     exporter's scale for a weightless RMSNorm at opset 23 (ONNX requires one). A parameter that happens
     to hold ones is a weight (it may be trained or loaded later), not its absence."""
@@ -39,7 +39,7 @@ def _ones(ix: GraphIndex, p: Value | None, norm: Node) -> bool:
     return node is not None and bool(np.all(np.asarray(node.attr("value", 0.0)) == 1))
 
 
-def _residual(ix: GraphIndex, x: Value, result: PassResult, norm: Node) -> Node | None:
+def _residual(ix: ShapedIndex, x: Value, result: PassResult, norm: Node) -> Node | None:
     """The residual Add producing x, if it provably adds two same-shaped activations (refused if it may
     broadcast: the kernel adds row by row)."""
     add = ix.producer(x, "Add")
@@ -56,7 +56,7 @@ def _residual(ix: GraphIndex, x: Value, result: PassResult, norm: Node) -> Node 
     return add
 
 
-def _fuse_norm(graph: Graph, ix: GraphIndex, norm: Node, result: PassResult) -> bool:
+def _fuse_norm(graph: Graph, ix: ShapedIndex, norm: Node, result: PassResult) -> bool:
     kind = KINDS[norm.op]
     x = norm.inputs[0]
     weight = norm.inputs[1] if len(norm.inputs) > 1 else None
@@ -100,7 +100,7 @@ def _fuse_norm(graph: Graph, ix: GraphIndex, norm: Node, result: PassResult) -> 
 @register("add_norm", fusion=True)
 def add_norm(graph: Graph, result: PassResult) -> None:
     """Residual Add + LayerNorm/RMSNorm (or a norm alone) -> FusedAddNorm(X, residual, weight, bias)."""
-    ix = GraphIndex(graph)
+    ix = ShapedIndex(graph)
     for node in [n for n in graph.nodes if is_op(n, tuple(KINDS))]:
         if _fuse_norm(graph, ix, node, result):
             result.fused += 1

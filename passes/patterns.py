@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
 
 from .base import FusionError, flatten_replaced, legality_problem
-
-if TYPE_CHECKING:
-    from .shapes import Shapes
 
 # Ops that only pass a value through (Cast is one when it casts to the value's own dtype).
 PASS_THROUGH = ("Identity", "Cast")
@@ -30,24 +27,13 @@ class GraphIndex:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self._shapes: Shapes | None = None
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-read producers and users after a rewrite. Symbolic shapes stay cached: a rewrite keeps every
-        Value it leaves in the graph, and a Value's shape does not depend on which node produces it."""
+        """Re-read producers and users after a rewrite."""
         self._prod = self.graph.producers()
         self._users = self.graph.user_map()
         self._outs = {id(v) for v in self.graph.outputs}
-
-    @property
-    def shapes(self) -> Shapes:
-        """The graph's symbolic shapes (passes/shapes.py's Shapes), built on first use."""
-        if self._shapes is None:
-            from .shapes import Shapes  # shapes.py builds on this index
-
-            self._shapes = Shapes(self)
-        return self._shapes
 
     def producer(self, value: Value | None, op: str | Iterable[str] | None = None) -> Node | None:
         """The node producing `value`, if there is one and (when `op` is given) it is that op."""

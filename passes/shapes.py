@@ -22,7 +22,7 @@ from sympy.parsing.sympy_parser import parse_expr
 
 from tkopt.ir import Node, Value
 
-from .canonicalize import EVALUATORS
+from .evaluators import EVALUATORS
 from .patterns import GraphIndex, const_array, norm_axes, norm_axis
 
 Shape = tuple[sympy.Expr, ...]
@@ -59,6 +59,16 @@ def same(a: sympy.Expr | None, b: sympy.Expr | None) -> bool:
 
 def as_int(d: sympy.Expr | None) -> int | None:
     return int(d) if d is not None and d.is_Integer else None
+
+
+class ShapedIndex(GraphIndex):
+    """A GraphIndex that also answers symbolic shapes. They are built on first use and stay cached
+    across refreshes: a rewrite keeps every Value it leaves in the graph, and a Value's shape does
+    not depend on which node produces it."""
+
+    @functools.cached_property
+    def shapes(self) -> Shapes:
+        return Shapes(self)
 
 
 class Shapes:
