@@ -37,13 +37,13 @@ gives whose every score is -inf ("none": NaN, "masked": 0) or that holds a NaN (
 
 import functools
 import math
-import struct
 from collections.abc import Sequence
 
 import tilelang.language as T
 import torch
 
 from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
+from .constants import const
 
 LOG2E = 1.4426950408889634
 LAYOUTS = ("bhsd", "bshd")
@@ -119,20 +119,6 @@ def _mask_shape(bcast: tuple[bool, bool, bool, bool], full: Sequence) -> list:
     return [1 if bc else n for bc, n in zip(bcast, full, strict=True)]
 
 
-def _const(x: float, dtype: str):
-    """A float constant of `dtype` in a TileLang program (infinities spelled as T.infinity)."""
-    if math.isinf(x):
-        return T.infinity(dtype) if x > 0 else -T.infinity(dtype)
-    return T.cast(x, dtype) if not math.isnan(x) else T.cast(float("nan"), dtype)
-
-
-def _bits(x: float, dtype: str):
-    """The bit pattern of x as dtype ("float32" / "float64"), as a signed integer constant of its width."""
-    if dtype == "float64":
-        return T.int64(struct.unpack("<q", struct.pack("<d", x))[0])
-    return T.int32(struct.unpack("<i", struct.pack("<f", x))[0])
-
-
 def _normalized(acc, total, guard: str, dtype: str):
     """acc / total, or what the guard gives a row with total 0 (every score -inf) or NaN."""
     zero, nan = T.cast(0, dtype), T.cast(float("nan"), dtype)
@@ -193,9 +179,9 @@ def gpu_program(
     # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are scaled and masked
     # in the natural domain and exponentiated as exp2((s - max) * log2e): a finite fill such as finfo.min
     # would overflow to -inf if multiplied by log2e first, and a row of equal fills must weigh them equally.
-    s_log2 = scale * LOG2E
+    s_log2, log2e = const(scale * LOG2E, accum), const(LOG2E, accum)
+    scale_c, mask_scale_c, fill = (const(x, accum) for x in (scale, mask_scale, mask_fill))
     neg_inf = -T.infinity(accum)
-    fill = _const(mask_fill, accum)
 
     def keeps(m):
         return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
@@ -249,11 +235,11 @@ def gpu_program(
             mq = 0 if bq else T.min(q_idx, seq_q - 1)
             mk = 0 if bk else T.min(k_idx, seq_kv - 1)
             if mask_kind == "bool":
-                acc_s[i, j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), acc_s[i, j] * scale, fill)
+                acc_s[i, j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), acc_s[i, j] * scale_c, fill)
             elif mask_scale == 1.0:
-                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk]
+                acc_s[i, j] = acc_s[i, j] * scale_c + Mask[mb, mh, mq, mk]
             else:
-                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk] * mask_scale
+                acc_s[i, j] = acc_s[i, j] * scale_c + Mask[mb, mh, mq, mk] * mask_scale_c
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
@@ -269,9 +255,9 @@ def gpu_program(
                 scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
         if has_mask:
             for i in T.Parallel(block_M):
-                scores_scale[i] = T.exp2((scores_max_prev[i] - scores_max[i]) * LOG2E)
+                scores_scale[i] = T.exp2((scores_max_prev[i] - scores_max[i]) * log2e)
             for i, j in T.Parallel(block_M, block_N):
-                acc_s[i, j] = T.exp2((acc_s[i, j] - scores_max[i]) * LOG2E)
+                acc_s[i, j] = T.exp2((acc_s[i, j] - scores_max[i]) * log2e)
         else:
             for i in T.Parallel(block_M):
                 scores_scale[i] = T.exp2(scores_max_prev[i] * s_log2 - scores_max[i] * s_log2)
@@ -495,14 +481,7 @@ def cpu_program(
             acc = T.alloc_local([dim], accum)
             s = T.alloc_local([block_N], accum)
             stat = T.alloc_local([4], accum)  # running max, running sum, block max, rescale factor
-            # The C backend prints float constants with 7 digits (1/sqrt(8) as 3.535534e-01): scale, mask
-            # scale and fill are set from their bits instead, exact in float64 too.
-            bits = T.alloc_local([3], "int64" if accum == "float64" else "int32")
-            exact = T.alloc_local([3], accum)
-            for c, x in enumerate((scale, mask_scale, mask_fill)):
-                bits[c] = _bits(x, accum)
-                exact[c] = T.reinterpret(bits[c], accum)
-            fill = neg_inf if mask_fill == -math.inf else exact[2]
+            scale_c, mask_scale_c, fill = (const(x, accum) for x in (scale, mask_scale, mask_fill))
             hk = hq // group
             for d in T.serial(dim):
                 acc[d] = 0
@@ -517,7 +496,7 @@ def cpu_program(
                         s[j] = 0
                         for d in T.serial(dim):
                             s[j] += T.cast(at(Q, lq, b, hq, qi, d), accum) * T.cast(at(K, lk, b, hk, kj, d), accum)
-                        s[j] = s[j] * exact[0]
+                        s[j] = s[j] * scale_c
                         if has_mask:
                             mb = 0 if bb else b
                             mh = 0 if bh else hq
@@ -528,7 +507,7 @@ def cpu_program(
                             elif mask_scale == 1.0:
                                 s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum)
                             else:
-                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum) * exact[1]
+                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum) * mask_scale_c
                 stat[2] = stat[0]
                 for j in T.serial(block_N):
                     stat[2] = T.if_then_else(s[j] > stat[2], s[j], stat[2])

@@ -22,6 +22,7 @@ Program builders:
 import torch
 
 from .arch import UnsupportedError, arch_of
+from .constants import const
 from .norm import (
     CPU_DTYPES,
     GPU_DTYPES,
@@ -63,16 +64,16 @@ def _act(T, v, act):
     if act is None or act == "none":
         return v
     if act == "relu":
-        return T.max(v, T.float32(0))
+        return T.max(v, const(0, "float32"))
     if act == "gelu":
-        return v * T.float32(0.5) * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
+        return v * const(0.5, "float32") * (const(1, "float32") + T.erf(v * const(0.7071067811865476, "float32")))
     if act == "gelu_tanh":
-        return v * T.float32(0.5) * (T.float32(1) + T.tanh(T.float32(_SQRT_2_OVER_PI) * (
-            v + T.float32(0.044715) * v * v * v)))
+        return v * const(0.5, "float32") * (const(1, "float32") + T.tanh(const(_SQRT_2_OVER_PI, "float32") * (
+            v + const(0.044715, "float32") * v * v * v)))
     if act == "silu":
-        return v / (T.float32(1) + T.exp(-v))
+        return v / (const(1, "float32") + T.exp(-v))
     if act == "sigmoid":
-        return T.float32(1) / (T.float32(1) + T.exp(-v))
+        return const(1, "float32") / (const(1, "float32") + T.exp(-v))
     raise ValueError(f"unknown activation {act!r}; expected one of {ACTIVATIONS}")
 
 
@@ -160,16 +161,16 @@ def conv2d_program_cpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act
     def act_c(v):
         # CPU: same formulas, in acc (fp64 stays fp64); if_then_else instead of max (see kernel_common)
         if act == "relu":
-            return T.if_then_else(v > T.cast(0, acc), v, T.cast(0, acc))
+            return T.if_then_else(v > const(0, acc), v, const(0, acc))
         if act == "gelu":
-            return v * T.cast(0.5, acc) * (T.cast(1, acc) + T.erf(v * T.cast(0.7071067811865476, acc)))
+            return v * const(0.5, acc) * (const(1, acc) + T.erf(v * const(0.7071067811865476, acc)))
         if act == "gelu_tanh":
-            return v * T.cast(0.5, acc) * (T.cast(1, acc) + T.tanh(T.cast(_SQRT_2_OVER_PI, acc) * (
-                v + T.cast(0.044715, acc) * v * v * v)))
+            return v * const(0.5, acc) * (const(1, acc) + T.tanh(const(_SQRT_2_OVER_PI, acc) * (
+                v + const(0.044715, acc) * v * v * v)))
         if act == "silu":
-            return v / (T.cast(1, acc) + T.exp(-v))
+            return v / (const(1, acc) + T.exp(-v))
         if act == "sigmoid":
-            return T.cast(1, acc) / (T.cast(1, acc) + T.exp(-v))
+            return const(1, acc) / (const(1, acc) + T.exp(-v))
         return v
 
     @T.prim_func
@@ -185,7 +186,7 @@ def conv2d_program_cpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act
             oy = (mi % (oh * ow)) // ow
             ox = mi % ow
             for fo in T.serial(f):
-                accv[0] = T.cast(0, acc)
+                accv[0] = const(0, acc)
                 for ty, tx, ci in T.grid(kh, kw, c):
                     iy = oy * sh - ph + ty * dh
                     ix = ox * sw - pw + tx * dw

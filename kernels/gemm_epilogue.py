@@ -38,6 +38,7 @@ import torch
 
 from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
+from .constants import const
 from .precision import matmul_precision
 from .reference import ACTIVATIONS
 from .tuning import median_ms
@@ -53,14 +54,14 @@ def _act_expr(x, act, acc):
     """The activation as a TIR expression on an accumulator-typed value."""
     if act is None:
         return x
-    one = T.cast(1.0, acc)
-    half = T.cast(0.5, acc)
+    one = const(1.0, acc)
+    half = const(0.5, acc)
     if act == "relu":
-        return T.max(x, T.cast(0.0, acc))
+        return T.max(x, const(0.0, acc))
     if act == "gelu":
-        return half * x * (one + T.erf(x * T.cast(_INV_SQRT2, acc)))
+        return half * x * (one + T.erf(x * const(_INV_SQRT2, acc)))
     if act == "gelu_tanh":
-        inner = T.cast(_SQRT_2_OVER_PI, acc) * (x + T.cast(0.044715, acc) * x * x * x)
+        inner = const(_SQRT_2_OVER_PI, acc) * (x + const(0.044715, acc) * x * x * x)
         return half * x * (one + T.tanh(inner))
     if act == "silu":
         return x / (one + T.exp(-x))

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from .arch import UnsupportedError, arch_of, run_pass_configs, run_target
+from .constants import const
 from .tuning import median_ms
 from .tuning import pick_config as _pick_config
 
@@ -214,7 +215,7 @@ def norm_program_gpu(
             if is_ln:
                 T.reduce_sum(s, mean, dim=1)
                 for i in T.Parallel(block_rows):
-                    mean[i] = mean[i] * inv_n
+                    mean[i] = mean[i] * const(inv_n, acc)
                 for i, j in T.Parallel(block_rows, np_):
                     if col_guard:
                         d[i, j] = T.if_then_else(j < n, (s[i, j] - mean[i]) * (s[i, j] - mean[i]),
@@ -226,7 +227,7 @@ def norm_program_gpu(
                     d[i, j] = s[i, j] * s[i, j]
             T.reduce_sum(d, rstd, dim=1)
             for i in T.Parallel(block_rows):
-                rstd[i] = T.rsqrt(rstd[i] * inv_n + eps)
+                rstd[i] = T.rsqrt(rstd[i] * const(inv_n, acc) + const(eps, acc))
             for i, j in T.Parallel(block_rows, np_):
                 row = bx * block_rows + i
                 if is_ln:
@@ -288,7 +289,7 @@ def norm_program_cpu(
                         st[0] += T.Cast(acc, X[bx, j]) + T.Cast(acc, R[bx, j])
                     else:
                         st[0] += T.Cast(acc, X[bx, j])
-                st[0] = st[0] / T.cast(n, acc)  # not * (1/n): C prints constants with 7 digits
+                st[0] = st[0] / T.cast(n, acc)
             st[1] = T.cast(0, acc)
             for j in T.serial(n):
                 if has_residual:
@@ -296,7 +297,7 @@ def norm_program_cpu(
                         T.Cast(acc, X[bx, j]) + T.Cast(acc, R[bx, j]) - st[0])
                 else:
                     st[1] += (T.Cast(acc, X[bx, j]) - st[0]) * (T.Cast(acc, X[bx, j]) - st[0])
-            st[1] = T.cast(1, acc) / T.sqrt(st[1] / T.cast(n, acc) + T.cast(eps, acc))
+            st[1] = T.cast(1, acc) / T.sqrt(st[1] / T.cast(n, acc) + const(eps, acc))
             for j in T.serial(n):
                 if has_residual:
                     v = T.Cast(acc, X[bx, j]) + T.Cast(acc, R[bx, j])

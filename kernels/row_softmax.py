@@ -15,6 +15,7 @@ max / exp / sum from registers, one read and one write per element; n up to norm
 import torch
 
 from .arch import UnsupportedError, arch_of
+from .constants import const
 from .norm import (
     CPU_DTYPES,
     GPU_DTYPES,
@@ -66,9 +67,9 @@ def softmax_program_gpu(n: int, dtype: str, *, block_rows: int, threads_per_row:
             T.reduce_max(s, mx, dim=1)
             for i in T.Parallel(block_rows):
                 # a row of all -inf gives NaN, as torch does; (rows beyond m are never stored)
-                mx[i] = mx[i] * _LOG2E
+                mx[i] = mx[i] * const(_LOG2E, acc)
             for i, j in T.Parallel(block_rows, np_):
-                s[i, j] = T.exp2(s[i, j] * _LOG2E - mx[i])
+                s[i, j] = T.exp2(s[i, j] * const(_LOG2E, acc) - mx[i])
             T.reduce_sum(s, sm, dim=1)
             for i in T.Parallel(block_rows):
                 sm[i] = T.float32(1) / sm[i]
