@@ -833,6 +833,19 @@ def _check_cast(n: Node, where: str) -> None:
         raise _Refuse(f"Cast {n.name} to {n.attrs.get('to')} {where} is not a float cast")
 
 
+_FLOAT_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def _check_rounding(dtype: str | None, sm: Node, casts: list[Node]) -> None:
+    """FusedAttention keeps the scores and probabilities at the Q·K^T dtype's precision or wider; a softmax
+    computing in, or a Cast to, a float type that rounds them (float32 in a float64 graph: 1e-8 off) is
+    arithmetic it would not reproduce. Casting up (a float16 graph's float32 softmax) and back is fine."""
+    steps = [(sm, sm.attrs.get("dtype"), "computes in")] + [(c, c.attrs.get("to"), "casts to") for c in casts]
+    for n, to, what in steps:
+        if to is not None and to != dtype and _FLOAT_BITS.get(to, 0) <= _FLOAT_BITS.get(dtype or "", 0):
+            raise _Refuse(f"{n.op} {n.name} {what} {to}, rounding the {dtype} attention scores or probabilities")
+
+
 def _scores_chain(view: _View, sm: Node, guard: list[Node]) -> tuple[_Mm, list[Node], list[tuple]]:
     """From the softmax input back to Q·K^T: (MatMul, absorbed nodes, the chain's steps in forward
     order: ("scale", c), ("add", mask) or ("where", "keep" | "drop", condition, fill))."""
@@ -897,6 +910,7 @@ def _match_softmax(view: _View, sm: Node) -> _Match:
     if rank != 4:
         raise _Refuse(f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)")
     qk, pre, chain = _scores_chain(view, sm, row_guard)
+    _check_rounding(qk.out.dtype, sm, [n for n in (*pre, *post) if n.op == "Cast"])
     if sm.attrs.get("dtype") is not None and not qk.out.dtype == pv.a.dtype == pv.out.dtype:
         raise _Refuse(
             f"softmax {sm.name} computes in {sm.attrs['dtype']} and the probabilities reach ·V as "

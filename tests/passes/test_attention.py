@@ -517,6 +517,15 @@ def test_refuse_integer_cast_of_scores_or_probabilities(after_softmax: bool) -> 
     _refused(*b.run(b.op("MatMul", p, v)), "to int64")
 
 
+def test_refuse_float32_softmax_in_a_float64_graph() -> None:
+    """F.softmax(dtype=float32) in a float64 model, as the exporters write it (Cast down, Softmax, Cast
+    back): the fused op would keep float64 scores, 1e-8 off the graph's float32 probabilities."""
+    b = _Builder()
+    q, k, v = (b.op("Cast", x, to="float64") for x in _qkv(b))
+    p = b.op("Cast", b.op("Softmax", b.op("Cast", _scores(b, q, k), to="float32"), axis=-1), to="float64")
+    _refused(*b.run(b.op("MatMul", p, v)), "casts to float32, rounding the float64 attention scores")
+
+
 def test_refuse_two_masks() -> None:
     b = _Builder()
     q, k, v = _qkv(b)
