@@ -23,6 +23,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from tkopt.fused_ops import SCHEMAS, run_reference
+from tkopt.fused_ops.onnx_schema import attribute_values
 from tkopt.ir import FUSED_DOMAIN
 from tkopt.ort.run import CPU_PROVIDERS, session
 
@@ -49,8 +50,7 @@ class _FusedOpRun(OpRun):
     op_domain = FUSED_DOMAIN
 
     def _run(self, *inputs: Any, **_: Any) -> tuple[np.ndarray, ...]:
-        attrs = {a.name: helper.get_attribute_value(a) for a in self.onnx_node.attribute}
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        attrs = attribute_values(self.onnx_node)
         outs = run_reference(self.onnx_node.op_type, [to_torch(x) for x in inputs], attrs)
         return tuple(to_numpy(o) for o in outs[: len(self.onnx_node.output)])
 
@@ -115,8 +115,7 @@ def run_hybrid(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray]) -> dict
     for seg, needed in zip(segments, needed_later, strict=True):
         if seg[0].domain == FUSED_DOMAIN:
             (n,) = seg
-            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-            attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+            attrs = attribute_values(n)
             ins = [None if not i else to_torch(env[i] if i in env else onnx.numpy_helper.to_array(inits[i]))
                    for i in n.input]
             outs = run_reference(n.op_type, ins, attrs)

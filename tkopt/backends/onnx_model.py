@@ -24,8 +24,7 @@ from onnx.external_data_helper import set_external_data
 
 from tkopt.files import chmod_default
 from tkopt.frontends.onnx import CONST_INPUT_ATTRS, ELEM_TYPES, outer_reads
-from tkopt.fused_ops import SCHEMAS
-from tkopt.fused_ops.onnx_schema import FUSED_OPSET, register_schemas
+from tkopt.fused_ops.onnx_schema import FUSED_OPSET, onnx_attributes, register_schemas
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 from tkopt.onnx_checker import checkable
 from tkopt.ort.metadata import LIBRARY_KEY, TARGET_KEY
@@ -57,12 +56,12 @@ def _attr(key: str, value: Any) -> onnx.AttributeProto:
 
 
 def _fused_node(n: Node) -> onnx.NodeProto:
-    s = SCHEMAS[n.op]
     names = ["" if v is None else v.name for v in n.inputs]
     while names and names[-1] == "":
         names.pop()
-    attrs = {k: type(s.attrs[k])(v) for k, v in s.full_attrs(n.attrs).items()}
-    return helper.make_node(n.op, names, [v.name for v in n.outputs], name=n.name, domain=FUSED_DOMAIN, **attrs)
+    node = helper.make_node(n.op, names, [v.name for v in n.outputs], name=n.name, domain=FUSED_DOMAIN)
+    node.attribute.extend(onnx_attributes(n.op, n.attrs))
+    return node
 
 
 def _from_origin(n: Node, out: list[onnx.NodeProto]) -> None:

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
+from tkopt.fused_ops.onnx_schema import attribute_values, register_schemas
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
 from tkopt.onnx_checker import checkable
 
@@ -173,9 +174,7 @@ def load_model(
     external = [t for t in _all_tensors(proto) if uses_external_data(t)]
     for t in external:
         _check_external_data(t, base, where)
-    from tkopt.fused_ops.onnx_schema import register_schemas  # an optimized model has tkopt ops
-
-    register_schemas()
+    register_schemas()  # an optimized model has tkopt ops
     in_memory = isinstance(model, onnx.ModelProto)
     if external and in_memory:
         proto = _copy(proto)
@@ -276,7 +275,7 @@ def import_onnx(model: str | Path | onnx.ModelProto, base_dir: str | Path | None
 def _node(n: onnx.NodeProto, value: Any, opsets: dict[str, int], graph: Graph) -> Node:
     domain = "" if n.domain == "ai.onnx" else n.domain
     attrs = dict(_schema_defaults(n.op_type, domain, opsets.get(domain, 1))) if domain == "" else {}
-    attrs.update({a.name: _attr_value(a) for a in n.attribute})
+    attrs.update(attribute_values(n) if domain == FUSED_DOMAIN else {a.name: _attr_value(a) for a in n.attribute})
     inputs = [value(i) if i else None for i in n.input]
     outputs = [value(o) for o in n.output]
     if domain == "":

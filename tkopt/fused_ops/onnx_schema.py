@@ -3,24 +3,62 @@
 Derived from the definitions: inputs, outputs and attributes from each `FusedOp`, output types from its
 `output_shapes` rule over ONNX dims. Both the ONNX frontend (an optimized model has tkopt ops) and the
 ONNX backend register them.
+
+Attributes: an ONNX FLOAT attribute is 32-bit, which would round a float64 model's scale or epsilon
+(1/sqrt(8) loses 1e-8 relative). A fused op's float attribute is therefore a 0-d double TENSOR
+attribute, exact; `onnx_attributes` writes a node's attributes and `attribute_values` reads them, for
+everything that emits or reads a tkopt node (backend, frontend, hybrid runner, shape inference).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 from onnx.defs import OpSchema
 
 from tkopt.ir import FUSED_DOMAIN
 
-from . import SCHEMAS, FusedOp, base
+from . import SCHEMAS, FusedOp, base, schema
 
 FUSED_OPSET = 1
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
                "float64": "tensor(double)", "bool": "tensor(bool)"}
 TYPE_CONSTRAINTS = {k: ([_ONNX_TYPES[d] for d in dtypes], doc) for k, (dtypes, doc) in base.TYPE_CONSTRAINTS.items()}
+
+
+def _onnx_attribute(op: FusedOp, name: str, value: Any) -> onnx.AttributeProto:
+    kind = type(op.attrs[name])
+    if kind is float:
+        return helper.make_attribute(name, numpy_helper.from_array(np.array(value, np.float64)))
+    return helper.make_attribute(name, kind(value))
+
+
+def onnx_attributes(op: str, attrs: dict[str, Any]) -> list[onnx.AttributeProto]:
+    """Every attribute of a node of fused op `op` (defaults filled in), float ones as 0-d double tensors."""
+    s = schema(op)
+    return [_onnx_attribute(s, k, v) for k, v in s.full_attrs(attrs).items()]
+
+
+def _value(op: FusedOp, node: str, a: onnx.AttributeProto) -> Any:
+    if a.name not in op.attrs:
+        raise ValueError(f"{op.name} node {node!r}: unknown attribute {a.name!r}; known: {sorted(op.attrs)}")
+    kind = type(op.attrs[a.name])
+    if kind is float:
+        if a.type != onnx.AttributeProto.TENSOR or a.t.data_type != onnx.TensorProto.DOUBLE or list(a.t.dims):
+            raise ValueError(f"{op.name} node {node!r}: attribute {a.name!r} must be a 0-d double tensor "
+                             f"(float attributes are exact), got {onnx.AttributeProto.AttributeType.Name(a.type)}")
+        return float(numpy_helper.to_array(a.t))
+    value = helper.get_attribute_value(a)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def attribute_values(node: onnx.NodeProto) -> dict[str, Any]:
+    """A tkopt node's attributes as Python values (floats exact), as `onnx_attributes` wrote them."""
+    op = schema(node.op_type)
+    return {a.name: _value(op, node.name, a) for a in node.attribute}
 
 
 def _dim_equal(a: onnx.TensorShapeProto.Dimension, b: onnx.TensorShapeProto.Dimension) -> bool:
@@ -56,8 +94,7 @@ def _inference(op: FusedOp):
         attrs = {}
         for name, default in op.attrs.items():
             a = ctx.get_attribute(name)
-            value = default if a is None else helper.get_attribute_value(a)
-            attrs[name] = value.decode() if isinstance(value, bytes) else value
+            attrs[name] = default if a is None else _value(op, "", a)
         elem = ctx.get_input_type(0).tensor_type.elem_type
         for i, shape in enumerate(op.output_shapes(shapes, attrs, _broadcast)[: ctx.get_num_outputs()]):
             out = onnx.TypeProto()
@@ -77,7 +114,7 @@ def _onnx_schema(op: FusedOp) -> OpSchema:
             for n in op.outputs]
     used = {"T", *op.input_types.values()}
     constraints = [(t, *TYPE_CONSTRAINTS[t]) for t in sorted(used)]
-    attrs = [OpSchema.Attribute(k, helper.make_attribute(k, v), "") for k, v in op.attrs.items()]
+    attrs = [OpSchema.Attribute(k, _onnx_attribute(op, k, v), "") for k, v in op.attrs.items()]
     doc = f"tkopt fused op {op.name}; semantics: tkopt.fused_ops.SCHEMAS[{op.name!r}]"
     sch = OpSchema(op.name, FUSED_DOMAIN, FUSED_OPSET, doc, inputs=ins, outputs=outs, type_constraints=constraints,
                    attributes=attrs)

@@ -19,7 +19,7 @@ import onnx
 
 from tkopt.backends.onnx_model import export_onnx
 from tkopt.fused_ops import schema
-from tkopt.ir import Graph, Node, Value
+from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 from tkopt.measure import Timer, Timing, compare
 from tkopt.ort import run
 from tkopt.ort.library import KernelLibrary
@@ -217,7 +217,8 @@ class OrtTarget(Target):
 
         g = artifact.model.graph
         nodes = [[n.op_type, n.domain, list(n.input), list(n.output),
-                  [str(a) for a in n.attribute if a.type != onnx.AttributeProto.TENSOR]] for n in g.node]
+                  [str(a) for a in n.attribute  # a fused op's float attributes are 0-d tensors
+                   if a.type != onnx.AttributeProto.TENSOR or n.domain == FUSED_DOMAIN]] for n in g.node]
         inits = [[t.name, t.data_type, list(t.dims)] for t in g.initializer]
         return ["whole", digest(nodes, inits)]
 
