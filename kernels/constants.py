@@ -3,9 +3,9 @@
 TileLang's C printer (the cpu programs) writes a float constant with 7 significant digits, float64 too:
 1/sqrt(2) becomes 7.071068e-01, 5e-9 off, and a float32 can lose its last bit. Every kernel therefore
 spells each float constant through `const`: a value those 7 digits reproduce (0, 0.5, 1e-5, 0.044715)
-stays a plain literal, any other is rebuilt from its bit pattern (`T.reinterpret` of an integer, which
-every printer writes exactly and every compiler folds back into an immediate). A bare Python float in a
-TIR expression is a constant printed the lossy way, so kernels never use one.
+stays a plain literal, any other is rebuilt from its bit pattern (a reinterpreted int64, which every
+printer writes exactly; nvcc folds it back into an immediate, as the PTX shows). A bare Python float in
+a TIR expression is a constant printed the lossy way, so kernels never use one.
 """
 
 from __future__ import annotations

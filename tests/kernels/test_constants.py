@@ -4,7 +4,7 @@ TileLang's C printer writes float constants with 7 significant digits, float64 o
 `const`, float64 GELU was 5e-9 off (1/sqrt(2) printed as 7.071068e-01). Checked on the C backend's
 output: a round trip of hard constants through one compiled kernel, and the lowered source of every
 kernel's float64 cpu program, which must hold no 7-digit literal (an exact constant that needs all 7
-digits would be a false alarm; none of the kernels has one).
+digits would be a false alarm; none of the kernels has one). On CUDA, that they cost nothing.
 """
 
 from __future__ import annotations
@@ -83,3 +83,22 @@ def test_float64_cpu_programs_hold_no_rounded_literal():
         if hits:
             found[name] = sorted(set(hits))
     assert not found, f"float constants printed with 7 digits: {found}"
+
+
+def test_bit_pattern_constants_fold_into_immediates_on_cuda():
+    """On a GPU the rebuilt constants cost nothing: nvcc folds them into the FMA's immediates (the float32
+    bits of 1/sqrt(2) and 1/3), with no float64 conversion left in the PTX."""
+    from conftest import cuda_compile, lower_cuda
+
+    @T.prim_func
+    def scale(A: T.Tensor((256,), "float32"), C: T.Tensor((256,), "float32")):
+        with T.Kernel(1, threads=128) as _:
+            f = T.alloc_fragment((256,), "float32")
+            T.copy(A, f)
+            for i in T.Parallel(256):
+                f[i] = f[i] * const(1 / math.sqrt(2), "float32") + const(1 / 3, "float32")
+            T.copy(f, C)
+
+    ptx = cuda_compile(lower_cuda(scale, "sm90"), "sm90", ptx=True).ptx
+    assert re.search(r"fma\.rn\.f32\s+%f\d+, %f\d+, 0f3F3504F3, 0f3EAAAAAB;", ptx), ptx
+    assert ".f64" not in ptx
