@@ -93,7 +93,11 @@ def test_float32_attribute_on_a_fused_node_is_refused_by_name(tmp_path: Path):
     """A tkopt node written with an ONNX FLOAT attribute (by hand, or by an older tkopt) is refused with
     the node and the attribute named, not read at 32 bits."""
     proto = helper.make_node("FusedAttention", ["q", "q", "q"], ["o"], name="attn", domain="tkopt", scale=0.125)
-    with pytest.raises(ValueError, match=r"FusedAttention node 'attn': attribute 'scale' must be a 0-d double"):
+    with pytest.raises(ValueError, match=r"FusedAttention node 'attn': attribute 'scale' must be a 0-d double "
+                                         r"tensor \(float attributes are exact\), got FLOAT$"):
+        attribute_values(proto)
+    proto.attribute[0].CopyFrom(helper.make_attribute("scale", onnx.numpy_helper.from_array(np.ones(2, np.float32))))
+    with pytest.raises(ValueError, match=r"'scale' must be a 0-d double tensor .*got a FLOAT tensor of shape \[2\]"):
         attribute_values(proto)
 
 

@@ -48,8 +48,11 @@ def _value(op: FusedOp, node: str, a: onnx.AttributeProto) -> Any:
     kind = type(op.attrs[a.name])
     if kind is float:
         if a.type != onnx.AttributeProto.TENSOR or a.t.data_type != onnx.TensorProto.DOUBLE or list(a.t.dims):
+            got = onnx.AttributeProto.AttributeType.Name(a.type)
+            if a.type == onnx.AttributeProto.TENSOR:
+                got = f"a {onnx.TensorProto.DataType.Name(a.t.data_type)} tensor of shape {list(a.t.dims)}"
             raise ValueError(f"{op.name} node {node!r}: attribute {a.name!r} must be a 0-d double tensor "
-                             f"(float attributes are exact), got {onnx.AttributeProto.AttributeType.Name(a.type)}")
+                             f"(float attributes are exact), got {got}")
         return float(numpy_helper.to_array(a.t))
     value = helper.get_attribute_value(a)
     return value.decode() if isinstance(value, bytes) else value
