@@ -133,6 +133,26 @@ def _bits(x: float, dtype: str):
     return T.int32(struct.unpack("<i", struct.pack("<f", x))[0])
 
 
+def _visible(q_idx, k_idx, seq_kv, causal: bool):
+    """Whether key k_idx enters query q_idx's softmax: it exists (not padding of a partial key block) and,
+    causal, is not after the query."""
+    return (k_idx < seq_kv) & (q_idx >= k_idx) if causal else k_idx < seq_kv
+
+
+def _masked_score(s, m, visible, mask_kind: str, mask_keeps: bool, mask_scale, fill, neg_inf):
+    """One softmax input as the reference computes it, from s (the scaled q.k) and the mask value m: a bool
+    mask keeps s where m != 0 (m == 0 with mask_keeps False) and puts `fill` elsewhere; a float mask adds m
+    (times mask_scale unless it is None). A key that is not `visible` gets -inf whatever m says: a finite
+    fill must never give weight to a padding key or to one causality hides (the reference applies
+    causality after the mask). The one definition of masking, for both programs."""
+    if mask_kind == "bool":
+        m = T.cast(m, "int32")  # a uint8 condition breaks TVM's bound solver on the C backend (-1 as uint)
+        s = T.if_then_else((m != 0) if mask_keeps else (m == 0), s, fill)
+    else:
+        s = s + (m if mask_scale is None else m * mask_scale)
+    return T.if_then_else(visible, s, neg_inf)
+
+
 def _normalized(acc, total, guard: str, dtype: str):
     """acc / total, or what the guard gives a row with total 0 (every score -inf) or NaN."""
     zero, nan = T.cast(0, dtype), T.cast(float("nan"), dtype)
@@ -196,9 +216,6 @@ def gpu_program(
     s_log2 = scale * LOG2E
     neg_inf = -T.infinity(accum)
     fill = _const(mask_fill, accum)
-
-    def keeps(m):
-        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
     # fp32 (tf32 tensor-core math): P goes through shared memory; a float32 register fragment cannot be
     # reused as the A operand of the second GEMM (TileLang's layout inference rejects the fragment copy).
     fp32 = dtype == "float32"
@@ -213,27 +230,27 @@ def gpu_program(
 
     @T.macro
     def init_scores(acc_s, k, bx):
-        """Plain schedule: -inf where key k*block_N + j is out of range (or after the query, causal), 0
-        elsewhere; the QK^T GEMM accumulates onto it."""
+        """Plain schedule without a mask: -inf where key k*block_N + j is out of range (or after the query,
+        causal), 0 elsewhere; the QK^T GEMM accumulates onto it."""
         if causal:
             for i, j in T.Parallel(block_M, block_N):
                 q_idx = bx * block_M + i
                 k_idx = k * block_N + j
-                acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), 0, neg_inf)
+                acc_s[i, j] = T.if_then_else(_visible(q_idx, k_idx, seq_kv, causal), 0, neg_inf)
         else:
             for i, j in T.Parallel(block_M, block_N):
                 acc_s[i, j] = T.if_then_else(k * block_N + j >= seq_kv, neg_inf, 0)
 
     @T.macro
     def mask_scores(acc_s, k, bx):
-        """Pipelined schedule (the GEMM cleared acc_s): the same -inf, applied after the GEMM and only on
-        the blocks that need it (the last one, past seq_kv; the ones crossing the diagonal, causal)."""
+        """Pipelined schedule without a mask (the GEMM cleared acc_s): the same -inf, applied after the
+        GEMM and only on the blocks that need it (the last one, past seq_kv; those crossing the diagonal)."""
         if causal:
             if ((k + 1) * block_N > seq_kv) | ((k + 1) * block_N > bx * block_M + 1):
                 for i, j in T.Parallel(block_M, block_N):
                     q_idx = bx * block_M + i
                     k_idx = k * block_N + j
-                    acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), acc_s[i, j], neg_inf)
+                    acc_s[i, j] = T.if_then_else(_visible(q_idx, k_idx, seq_kv, causal), acc_s[i, j], neg_inf)
         else:
             if (k + 1) * block_N > seq_kv:
                 for i, j in T.Parallel(block_M, block_N):
@@ -241,6 +258,8 @@ def gpu_program(
 
     @T.macro
     def apply_mask(Mask, acc_s, k, bx, by, bz):
+        """acc_s (the raw q.k of block k, the GEMM cleared it) scaled and masked, -inf for invisible keys:
+        after the mask, never under it, or a finite fill would overwrite the -inf of padding and causality."""
         for i, j in T.Parallel(block_M, block_N):
             q_idx = bx * block_M + i
             k_idx = k * block_N + j
@@ -248,12 +267,9 @@ def gpu_program(
             mh = 0 if bh else by
             mq = 0 if bq else T.min(q_idx, seq_q - 1)
             mk = 0 if bk else T.min(k_idx, seq_kv - 1)
-            if mask_kind == "bool":
-                acc_s[i, j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), acc_s[i, j] * scale, fill)
-            elif mask_scale == 1.0:
-                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk]
-            else:
-                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk] * mask_scale
+            acc_s[i, j] = _masked_score(acc_s[i, j] * scale, Mask[mb, mh, mq, mk],
+                                        _visible(q_idx, k_idx, seq_kv, causal), mask_kind, mask_keeps,
+                                        None if mask_scale == 1.0 else mask_scale, fill, neg_inf)  # fmt: skip
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
@@ -264,14 +280,16 @@ def gpu_program(
         for i in T.Parallel(block_M):
             scores_max[i] = T.max(scores_max[i], scores_max_prev[i])
         if has_mask:
-            # A row with every key so far masked has max -inf: use 0 so exp2 gives 0, not NaN.
+            # The shift (scores_sum is scratch until the reduce_sum below): the running max, or 0 for a row
+            # whose every key so far is -inf, so exp2 gives 0, not NaN. The running max itself stays -inf: a
+            # later block shifted by 0 instead of its own max could underflow to 0 (scores of -1e4, say).
+            shift = scores_sum
             for i in T.Parallel(block_M):
-                scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-        if has_mask:
+                shift[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
             for i in T.Parallel(block_M):
-                scores_scale[i] = T.exp2((scores_max_prev[i] - scores_max[i]) * LOG2E)
+                scores_scale[i] = T.exp2((scores_max_prev[i] - shift[i]) * LOG2E)
             for i, j in T.Parallel(block_M, block_N):
-                acc_s[i, j] = T.exp2((acc_s[i, j] - scores_max[i]) * LOG2E)
+                acc_s[i, j] = T.exp2((acc_s[i, j] - shift[i]) * LOG2E)
         else:
             for i in T.Parallel(block_M):
                 scores_scale[i] = T.exp2(scores_max_prev[i] * s_log2 - scores_max[i] * s_log2)
@@ -295,10 +313,12 @@ def gpu_program(
         hk = by // group
         for k in T.Pipelined(loop_range, num_stages=num_stages):
             T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
-            init_scores(acc_s, k, bx)
-            T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             if has_mask:
+                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 apply_mask(Mask, acc_s, k, bx, by, bz)
+            else:
+                init_scores(acc_s, k, bx)
+                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
             T.copy(acc_s, P_buf)
             rescale(acc_o, scores_scale)
@@ -307,9 +327,10 @@ def gpu_program(
 
     @T.macro
     def scores_of(acc_s, Mask, k, bx, by, bz):
-        mask_scores(acc_s, k, bx)
         if has_mask:
             apply_mask(Mask, acc_s, k, bx, by, bz)
+        else:
+            mask_scores(acc_s, k, bx)
 
     @T.macro
     def pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, n, bx, by, bz):
@@ -483,9 +504,6 @@ def cpu_program(
     bb, bh, bq, bk = mask_bcast
     neg_inf = -T.infinity(accum)
 
-    def keeps(m):
-        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
-
     def at(buf, layout, b, h, s, d):
         return buf[b, h, s, d] if layout == "bhsd" else buf[b, s, h, d]
 
@@ -512,23 +530,23 @@ def cpu_program(
             for kb in T.serial(T.ceildiv(n_keys, block_N)):
                 for j in T.serial(block_N):
                     kj = kb * block_N + j
-                    s[j] = neg_inf
-                    if kj < n_keys:
-                        s[j] = 0
+                    s[j] = 0
+                    if kj < n_keys:  # keys past the end or hidden by causality: no q.k to compute
                         for d in T.serial(dim):
                             s[j] += T.cast(at(Q, lq, b, hq, qi, d), accum) * T.cast(at(K, lk, b, hk, kj, d), accum)
-                        s[j] = s[j] * exact[0]
-                        if has_mask:
-                            mb = 0 if bb else b
-                            mh = 0 if bh else hq
-                            mq = 0 if bq else qi
-                            mk = 0 if bk else kj
-                            if mask_kind == "bool":
-                                s[j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), s[j], fill)
-                            elif mask_scale == 1.0:
-                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum)
-                            else:
-                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum) * exact[1]
+                    s[j] = s[j] * exact[0]
+                    # Masked like the GPU programs, padding keys of the last block included (the mask read
+                    # at the last key): the same _masked_score, so a masking defect shows here too.
+                    if has_mask:
+                        mb = 0 if bb else b
+                        mh = 0 if bh else hq
+                        mq = 0 if bq else qi
+                        mk = 0 if bk else T.min(kj, seq_kv - 1)
+                        m = Mask[mb, mh, mq, mk] if mask_kind == "bool" else T.cast(Mask[mb, mh, mq, mk], accum)
+                        s[j] = _masked_score(s[j], m, _visible(qi, kj, seq_kv, causal), mask_kind, mask_keeps,
+                                             None if mask_scale == 1.0 else exact[1], fill, neg_inf)  # fmt: skip
+                    else:
+                        s[j] = T.if_then_else(_visible(qi, kj, seq_kv, causal), s[j], neg_inf)
                 stat[2] = stat[0]
                 for j in T.serial(block_N):
                     stat[2] = T.if_then_else(s[j] > stat[2], s[j], stat[2])

@@ -137,21 +137,32 @@ def _assert_same(out, ref, tol=1e-5):
 
 def test_cpu_mask_scale_and_finite_fills():
     """(S + M) * c (mask_scale), and a bool mask's finite fill: a row whose every key is masked weighs them
-    all equally (eager's softmax of equal finite values), finfo.min included (no overflow to -inf)."""
+    all equally (eager's softmax of equal finite values), finfo.min included (no overflow to -inf), and only
+    its real keys: not the padding of the partial last key block nor (causal) keys after the query, whatever
+    the mask says there (the masking is the GPU programs', so this catches their defect of that class)."""
     torch.manual_seed(8)
-    q, k, v = _qkv(2, 4, 2, 13, 29, 16)
-    m = torch.randn(2, 1, 13, 29) * 3
+    skv = A.CPU_BLOCK_N + 13  # two key blocks, the second partial
+    q, k, v = _qkv(2, 4, 2, 13, skv, 16)
+    m = torch.randn(2, 1, 13, skv) * 3
     _assert_same(flash_attention(q, k, v, mask=m, scale=0.3, mask_scale=0.3),
                  _ref(q, k, v, mask=m, scale=0.3, mask_scale=0.3))
-    keep = torch.rand(2, 1, 13, 29) > 0.5
-    keep[0, 0, 4] = False  # every key masked
+    # The first key block all -inf, the rest finite but far below 0: the second block's softmax shifts by its
+    # own max (not by 0, the stand-in for an all -inf max), or every weight underflows.
+    m[..., : A.CPU_BLOCK_N] = float("-inf")
+    m[..., A.CPU_BLOCK_N :] -= 1e3  # scores near -300: exp underflows to 0 in float32
+    out = flash_attention(q, k, v, mask=m, scale=0.3, mask_scale=0.3)
+    _assert_same(out, _ref(q, k, v, mask=m, scale=0.3, mask_scale=0.3), tol=1e-3)  # float32 ulp of 300: 3e-5
+    assert out.abs().amax() > 0.1
+    keep = torch.rand(2, 1, 13, skv) > 0.5
+    keep[0, 0, 4] = False  # every key masked, the last one too (padding keys read the last key's mask)
     for fill in (-1e4, float(torch.finfo(torch.float32).min)):
-        out = flash_attention(q, k, v, mask=keep, mask_fill=fill, causal=True)
-        _assert_same(out, _ref(q, k, v, mask=keep, mask_fill=fill, causal=True))
-        # masked_fill's mask: True masks (mask_keeps=False)
-        _assert_same(flash_attention(q, k, v, mask=~keep, mask_fill=fill, causal=True, mask_keeps=False), out)
-        uniform = v[0].repeat_interleave(2, 0)[:, :5].mean(1)  # causal row 4: keys 0..4, all masked
-        torch.testing.assert_close(out[0, :, 4], uniform, rtol=1e-5, atol=1e-5)
+        for causal, n_seen in ((True, 5), (False, skv)):  # row 4 sees keys 0..4 (causal) or all of them
+            out = flash_attention(q, k, v, mask=keep, mask_fill=fill, causal=causal)
+            _assert_same(out, _ref(q, k, v, mask=keep, mask_fill=fill, causal=causal))
+            # masked_fill's mask: True masks (mask_keeps=False)
+            _assert_same(flash_attention(q, k, v, mask=~keep, mask_fill=fill, causal=causal, mask_keeps=False), out)
+            uniform = v[0].repeat_interleave(2, 0)[:, :n_seen].mean(1)
+            torch.testing.assert_close(out[0, :, 4], uniform, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("guard", ["none", "masked", "nan"])
@@ -454,6 +465,7 @@ GPU_SEMANTICS = {
     "scaled-mask": ("add", 0.125, float("-inf"), "masked", False, True),
     "nan-rows": ("bool", 1.0, float("-inf"), "none", False, True),
     "nan-guard-masked-fill": ("bool", 1.0, float("-inf"), "nan", True, False),
+    "late-keys": ("add-late", 1.0, float("-inf"), "masked", False, True),
 }
 
 
@@ -461,17 +473,21 @@ GPU_SEMANTICS = {
 @pytest.mark.parametrize("case", list(GPU_SEMANTICS))
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 def test_gpu_semantics_match_reference(variant, case):
-    """Finite fills (a fully masked row weighs its keys equally), a scaled additive mask, NaN rows under plain
-    softmax and the NaN guard, masked_fill's mask (True masks), on both archs (fp16, D=64, lengths not
-    multiples of a tile)."""
+    """Finite fills (a fully masked row weighs its own keys equally: not the padding of the partial last key
+    block, not keys after the query), a scaled additive mask, NaN rows under plain softmax and the NaN guard,
+    masked_fill's mask (True masks), finite keys after all -inf blocks (shifted by their own max), on both
+    archs (fp16, D=64, lengths not multiples of a tile)."""
     major, _ = torch.cuda.get_device_capability()
     if variant == "sm90" and major != 9:
         pytest.skip("sm90 variant needs a Hopper GPU")
     kind, mask_scale, fill, guard, causal, keeps = GPU_SEMANTICS[case]
     torch.manual_seed(11)
     q, k, v = _qkv(2, 4, 2, 150, 211, 64, dtype=torch.float16, device="cuda")
-    if kind == "add":
+    if kind.startswith("add"):
         mask = torch.randn(2, 1, 150, 211, device="cuda") * 4
+        if kind == "add-late":  # the first key blocks all -inf, later keys finite but far below 0
+            mask[..., :160] = float("-inf")
+            mask[..., 160:] -= 1e4
     else:
         mask = torch.rand(2, 1, 150, 211, device="cuda") > 0.4
         mask[0, 0, 7] = False  # every key of row 7 masked
