@@ -20,9 +20,10 @@ bool mask's fill, the guard for fully masked / NaN rows, and the tile config.
 Batch, query length and key/value length are dynamic (`T.dynamic`), so one compiled kernel serves
 every batch size and sequence length; compiled kernels are cached in memory per key.
 
-Layouts: each of q, k, v, out is indexed in whichever of BHSD / BSHD it is contiguous in, so a BSHD
-tensor (or a transposed view of a BHSD one) is read in place through the kernel's indexing, never
-copied. Only tensors contiguous in neither layout are copied (`.contiguous()` in the requested layout).
+Layouts: each of q, k, v is indexed in whichever of BHSD / BSHD / SBHD (MEMORY_LAYOUTS) it is contiguous
+in, so a BSHD tensor, a transposed view of a BHSD one, or nn.MultiheadAttention's heads of a (seq, batch,
+embed) projection are read in place through the kernel's indexing, never copied. Only tensors contiguous
+in none are copied (`.contiguous()` in the requested layout); the output is written in that layout.
 
 Masks: any tensor broadcastable to (B, Hq, Sq, Skv). Leading dims are added as size 1; every size-1
 dim is a broadcast dim the kernel indexes at 0 (stride-0 semantics, nothing is expanded). A float mask
@@ -46,7 +47,11 @@ import torch
 from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 
 LOG2E = 1.4426950408889634
-LAYOUTS = ("bhsd", "bshd")
+LAYOUTS = ("bhsd", "bshd")  # what q, k, v and the output are given in
+# The memory layouts the kernels index a tensor in, as the logical (batch, heads, seq, dim) axis each of its
+# dims holds. "sbhd" is nn.MultiheadAttention's: its q / k / v are (seq, batch, embed) projections viewed as
+# heads, contiguous in neither given layout (each was copied before this layout existed).
+MEMORY_LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
 GPU_HEAD_DIMS = (64, 128)
 CPU_MAX_HEAD_DIM = 256
 _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -111,8 +116,13 @@ def tune_candidates(arch: str, dim: int, masked: bool = False) -> list[dict]:
     return cands
 
 
+def _index(layout: str, b, h, s, d) -> tuple:
+    """(b, h, s, d) in the order of memory layout `layout`: a shape, an index, or slices of a tile."""
+    return tuple((b, h, s, d)[axis] for axis in MEMORY_LAYOUTS[layout])
+
+
 def _io_shape(layout: str, b, h, s, d) -> list:
-    return [b, h, s, d] if layout == "bhsd" else [b, s, h, d]
+    return list(_index(layout, b, h, s, d))
 
 
 def _mask_shape(bcast: tuple[bool, bool, bool, bool], full: Sequence) -> list:
@@ -224,9 +234,7 @@ def gpu_program(
     pipelined = bool(pipelined) and not fp32
 
     def tile(buf, layout, b, h, s0, n):
-        if layout == "bhsd":
-            return buf[b, h, s0 : s0 + n, :]
-        return buf[b, s0 : s0 + n, h, :]
+        return buf[_index(layout, b, h, slice(s0, s0 + n), slice(None))]
 
     @T.macro
     def init_scores(acc_s, k, bx):
@@ -505,7 +513,7 @@ def cpu_program(
     neg_inf = -T.infinity(accum)
 
     def at(buf, layout, b, h, s, d):
-        return buf[b, h, s, d] if layout == "bhsd" else buf[b, s, h, d]
+        return buf[_index(layout, b, h, s, d)]
 
     @T.macro
     def body(Q, K, V, Mask, Output):
@@ -565,10 +573,7 @@ def cpu_program(
                             acc[d] += s[j] * T.cast(at(V, lv, b, hk, kj, d), accum)
                 stat[0] = stat[2]
             for d in T.serial(dim):
-                if lo == "bhsd":
-                    Output[b, hq, qi, d] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
-                else:
-                    Output[b, qi, hq, d] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
+                Output[_index(lo, b, hq, qi, d)] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
 
     if has_mask:
 
@@ -641,33 +646,25 @@ def _pick_config(arch: str, key: tuple, dtype: str, dim: int, run_with) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # Public wrapper
 # ---------------------------------------------------------------------------------------------------
-def _layout_of(t: torch.Tensor, want: str) -> tuple[str, torch.Tensor]:
-    """(layout the kernel should index t in, t or a contiguous copy). t is given in layout `want`."""
-    if t.is_contiguous():
-        return want, t
-    other = "bshd" if want == "bhsd" else "bhsd"
-    if t.transpose(1, 2).is_contiguous():
-        return other, t
-    return want, t.contiguous()
-
-
-def _as_kernel_view(t: torch.Tensor, given: str, kernel_layout: str) -> torch.Tensor:
-    """t in logical layout `given` viewed in `kernel_layout` (a zero-copy view when it is contiguous there)."""
-    return t if given == kernel_layout else t.transpose(1, 2)
+def _layout_of(t: torch.Tensor, given: str) -> tuple[str, torch.Tensor]:
+    """(memory layout the kernel indexes t in, t viewed in it): t, given in layout `given`, is read in place
+    where one of MEMORY_LAYOUTS makes it contiguous (`given` first), else copied to `given`."""
+    logical = t if given == "bhsd" else t.transpose(1, 2)  # (batch, heads, seq, dim)
+    for layout in sorted(MEMORY_LAYOUTS, key=lambda m: m != given):
+        view = logical.permute(MEMORY_LAYOUTS[layout])
+        if view.is_contiguous():
+            return layout, view
+    return given, logical.permute(MEMORY_LAYOUTS[given]).contiguous()
 
 
 def kernel_layouts(q, k, v, layout: str):
     """((layout of q, k, v, out) as the kernel indexes them, (q, k, v) as views in those layouts).
 
-    Each of q/k/v (given in `layout`) is read in whichever of BHSD / BSHD it is contiguous in (a zero-copy
-    view); one contiguous in neither is copied to `layout`. The output is always written in `layout`.
+    Each of q/k/v (given in `layout`) is read in whichever of MEMORY_LAYOUTS it is contiguous in (a zero-copy
+    view); one contiguous in none is copied to `layout`. The output is always written in `layout`.
     """
-    lays, views = [], []
-    for t in (q, k, v):
-        lt, t = _layout_of(t, layout)
-        lays.append(lt)
-        views.append(_as_kernel_view(t, layout, lt))
-    return (*lays, layout), tuple(views)
+    lays, views = zip(*(_layout_of(t, layout) for t in (q, k, v)), strict=True)
+    return (*lays, layout), views
 
 
 def _check_inputs(q, k, v, mask, layout):

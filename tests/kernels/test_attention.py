@@ -91,6 +91,25 @@ def test_cpu_bshd_and_mixed_strides():
     assert tensors[1].data_ptr() == kb.data_ptr() and tensors[1].is_contiguous()  # a view, not a copy
 
 
+def test_cpu_mha_projection_heads_read_in_place():
+    """nn.MultiheadAttention's q / k / v: heads of (seq, batch, embed) projections, contiguous in neither given
+    layout, are read in place as SBHD (they were copied, three copies per call), in either given layout."""
+    torch.manual_seed(12)
+    b, h, sq, skv, d = 2, 4, 19, 23, 16
+    qp, kp, vp = _rand(sq, b, h * d), _rand(skv, b, 2 * d), _rand(skv, b, 2 * d)  # GQA: 2 kv heads
+    q = qp.view(sq, b, h, d).permute(1, 2, 0, 3)  # BHSD views, as the MHA graph makes them
+    k, v = (t.view(skv, b, 2, d).permute(1, 2, 0, 3) for t in (kp, vp))
+    layouts, views = A.kernel_layouts(q, k, v, "bhsd")
+    assert layouts == ("sbhd", "sbhd", "sbhd", "bhsd")
+    assert [t.data_ptr() for t in views] == [qp.data_ptr(), kp.data_ptr(), vp.data_ptr()]
+    for causal in (False, True):
+        assert _rel(flash_attention(q, k, v, causal=causal), _ref(q, k, v, causal=causal)) < 1e-5
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))  # the same tensors given as BSHD
+    assert A.kernel_layouts(qs, ks, vs, "bshd")[0] == ("sbhd", "sbhd", "sbhd", "bshd")
+    out = flash_attention(qs, ks, vs, layout="bshd")
+    assert out.is_contiguous() and _rel(out, _ref(qs, ks, vs, layout="bshd")) < 1e-5
+
+
 def test_cpu_noncontiguous_copied():
     torch.manual_seed(4)
     big = _rand(2, 3, 19, 64)
@@ -246,7 +265,8 @@ def test_bad_inputs_raise_clear_errors():
 # sm90 defaults to the pipelined schedule; one case keeps the plain one (each case is ~10-25 s here).
 # semantics: gpu_program's mask_scale / mask_fill / guard (a finite fill, a scaled mask, NaN rows).
 LOWER_CASES = {
-    "sm90-f16-d128-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bhsd",) * 4, None, (False,) * 4, {}),
+    "sm90-f16-d128-causal-gqa-sbhd": ("sm90", "float16", 128, 8, 2, True, ("sbhd", "sbhd", "sbhd", "bhsd"), None,
+                                      (False,) * 4, {}),
     "sm90-bf16-d64-boolmask-mixed": ("sm90", "bfloat16", 64, 4, 2, False, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
                                      (False, True, True, False), {}),
     "sm90-plain-bf16-d64-addmask-bshd": ("sm90", "bfloat16", 64, 4, 4, False, ("bshd",) * 4, "add",
@@ -456,6 +476,26 @@ def test_gpu_dynamic_lengths_share_one_kernel():
         ref = flash_attention_ref(q.float(), k.float(), v.float())
         assert _rel(out, ref) < 1e-2
     assert A.compile_gpu.cache_info().misses == misses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+def test_gpu_mha_projection_heads_read_in_place(variant):
+    """q / k / v as nn.MultiheadAttention makes them (heads of (seq, batch, embed) projections): read through
+    SBHD indexing (TMA descriptors with the batch-dependent seq stride on sm90), GQA, lengths off the tile."""
+    major, _ = torch.cuda.get_device_capability()
+    if variant == "sm90" and major != 9:
+        pytest.skip("sm90 variant needs a Hopper GPU")
+    torch.manual_seed(13)
+    b, h, hkv, sq, skv, d = 3, 8, 2, 200, 333, 64
+    dev = dict(dtype=torch.float16, device="cuda")
+    q = torch.randn(sq, b, h * d, **dev).view(sq, b, h, d).permute(1, 2, 0, 3)
+    k, v = (torch.randn(skv, b, hkv * d, **dev).view(skv, b, hkv, d).permute(1, 2, 0, 3) for _ in range(2))
+    assert A.kernel_layouts(q, k, v, "bhsd")[0] == ("sbhd", "sbhd", "sbhd", "bhsd")
+    for causal in (False, True):
+        out = flash_attention(q, k, v, causal=causal, arch=variant)
+        torch.cuda.synchronize()
+        assert _rel(out, flash_attention_ref(q.float(), k.float(), v.float(), causal=causal)) < 1e-2
 
 
 # (mask kind, mask_scale, mask_fill, guard, causal, mask_keeps): what FusedAttention reproduces from graphs
