@@ -31,8 +31,8 @@ is read as float32 (float64 by the cpu variant of float64 inputs; converted if g
 dtype) and added after scaling, times
 `mask_scale`; a bool mask is read as uint8 through a zero-copy view, keeps where it equals `mask_keeps`
 (True; False for masked_fill's mask) and puts
-`mask_fill` elsewhere (finite fills stay finite: with a mask, GPU scores stay in the natural domain
-until exp2((s - max) * log2 e), so finfo.min * log2 e cannot overflow to -inf). `guard` says what a row
+`mask_fill` elsewhere (finite fills stay finite: GPU scores move to the log2 domain only where the fill
+times log2 e stays finite, so finfo.min never overflows to -inf). `guard` says what a row
 gives whose every score is -inf ("none": NaN, "masked": 0) or that holds a NaN ("nan": 0).
 """
 
@@ -47,6 +47,7 @@ import torch
 from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 
 LOG2E = 1.4426950408889634
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 LAYOUTS = ("bhsd", "bshd")  # what q, k, v and the output are given in
 # The memory layouts the kernels index a tensor in, as the logical (batch, heads, seq, dim) axis each of its
 # dims holds. "sbhd" is nn.MultiheadAttention's: its q / k / v are (seq, batch, embed) projections viewed as
@@ -220,12 +221,17 @@ def gpu_program(
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
     bb, bh, bq, bk = mask_bcast
     # Without a mask the scale is folded into exp2: exp2(s * scale*log2e - max * scale*log2e), with the row
-    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are scaled and masked
-    # in the natural domain and exponentiated as exp2((s - max) * log2e): a finite fill such as finfo.min
-    # would overflow to -inf if multiplied by log2e first, and a row of equal fills must weigh them equally.
+    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are masked before the
+    # exponent: in the log2 domain (s * scale*log2e, the fill times log2e; exp2(s - max)) where nothing can
+    # overflow there, that is a bool mask whose fill times log2e stays finite (-inf, -1e4). Otherwise in the
+    # natural domain, exponentiated as exp2((s - max) * log2e), one FMUL more per score: an additive mask's
+    # values are only known at run time, and a fill such as finfo.min times log2e would be -inf, where a row
+    # of equal fills must stay equal finite values that weigh their keys equally.
     s_log2 = scale * LOG2E
+    log2_scores = mask_kind == "bool" and (mask_fill == -math.inf or abs(mask_fill) * LOG2E < FLOAT32_MAX)
+    to_scores = LOG2E if log2_scores else 1.0  # what masked scores are in: log2 or natural units
     neg_inf = -T.infinity(accum)
-    fill = _const(mask_fill, accum)
+    fill = _const(mask_fill * to_scores, accum)
     # fp32 (tf32 tensor-core math): P goes through shared memory; a float32 register fragment cannot be
     # reused as the A operand of the second GEMM (TileLang's layout inference rejects the fragment copy).
     fp32 = dtype == "float32"
@@ -266,8 +272,9 @@ def gpu_program(
 
     @T.macro
     def apply_mask(Mask, acc_s, k, bx, by, bz):
-        """acc_s (the raw q.k of block k, the GEMM cleared it) scaled and masked, -inf for invisible keys:
-        after the mask, never under it, or a finite fill would overwrite the -inf of padding and causality."""
+        """acc_s (the raw q.k of block k, the GEMM cleared it) scaled (into `to_scores` units) and masked,
+        -inf for invisible keys: after the mask, never under it, or a finite fill would overwrite the -inf
+        of padding and causality."""
         for i, j in T.Parallel(block_M, block_N):
             q_idx = bx * block_M + i
             k_idx = k * block_N + j
@@ -275,7 +282,7 @@ def gpu_program(
             mh = 0 if bh else by
             mq = 0 if bq else T.min(q_idx, seq_q - 1)
             mk = 0 if bk else T.min(k_idx, seq_kv - 1)
-            acc_s[i, j] = _masked_score(acc_s[i, j] * scale, Mask[mb, mh, mq, mk],
+            acc_s[i, j] = _masked_score(acc_s[i, j] * (scale * to_scores), Mask[mb, mh, mq, mk],
                                         _visible(q_idx, k_idx, seq_kv, causal), mask_kind, mask_keeps,
                                         None if mask_scale == 1.0 else mask_scale, fill, neg_inf)  # fmt: skip
 
@@ -294,10 +301,16 @@ def gpu_program(
             shift = scores_sum
             for i in T.Parallel(block_M):
                 shift[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-            for i in T.Parallel(block_M):
-                scores_scale[i] = T.exp2((scores_max_prev[i] - shift[i]) * LOG2E)
-            for i, j in T.Parallel(block_M, block_N):
-                acc_s[i, j] = T.exp2((acc_s[i, j] - shift[i]) * LOG2E)
+            if log2_scores:
+                for i in T.Parallel(block_M):
+                    scores_scale[i] = T.exp2(scores_max_prev[i] - shift[i])
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] - shift[i])
+            else:
+                for i in T.Parallel(block_M):
+                    scores_scale[i] = T.exp2((scores_max_prev[i] - shift[i]) * LOG2E)
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2((acc_s[i, j] - shift[i]) * LOG2E)
         else:
             for i in T.Parallel(block_M):
                 scores_scale[i] = T.exp2(scores_max_prev[i] * s_log2 - scores_max[i] * s_log2)
