@@ -26,8 +26,8 @@ from .precision import PRECISIONS
 
 # Usable shared memory per block (opt-in maximum, dynamic plus static), bytes.
 SMEM_LIMIT = {"sm90": 227 * 1024, "sm80": 163 * 1024}
-# Static shared memory a kernel declares besides the dynamic buffer (the sm90 pipeline's mbarriers: 16 bytes a
-# stage), kept free under SMEM_LIMIT.
+# Static shared memory besides the dynamic buffer, kept free under SMEM_LIMIT: ptxas reports 1024 bytes for the
+# sm90 pipeline's mbarriers (16 bytes a stage, before alignment), none for sm80's cp.async pipeline.
 STATIC_SMEM = 1024
 # Deepest pipeline a config that leaves `stages` unset gets (it gets the most stages that fit, up to this).
 MAX_STAGES = 4

@@ -5,8 +5,8 @@ fixtures of the same purpose below):
 
 - `lower_cuda(func, arch)`: lower a `@T.prim_func` to CUDA C++ source for sm90 or sm80 (no GPU needed;
   the target comes from tkopt.kernels.arch.target_of).
-- `lowered_smem(func, arch, device=None)`: (dynamic, static) shared memory bytes of the lowered kernel, as
-  the launch asks for them; `device` ("sm_90") lowers as `arch`'s program is built to run on that GPU.
+- `lowered_smem(func, arch, device=None)`: the dynamic shared memory bytes the lowered kernel launches with;
+  `device` ("sm_90") lowers as `arch`'s program is built to run on that GPU.
 - `cuda_compile(src, arch)`: nvcc-compile lowered CUDA source to a cubin for sm_90a / sm_80 with
   TileLang's template and CUTLASS include dirs (the flags TileLang's own libgen uses). Returns a
   `CudaBuild` (cubin path, ptxas resource report); raises AssertionError with nvcc's output on failure.
@@ -47,8 +47,8 @@ def lower_cuda(func, arch: str) -> str:
         return tilelang.lower(func, target=target).kernel_source
 
 
-def lowered_smem(func, arch: str, device: str | None = None) -> tuple[int, int]:
-    """(dynamic, static) shared memory bytes of a `@T.prim_func`'s kernel lowered for `arch` (on `device`)."""
+def lowered_smem(func, arch: str, device: str | None = None) -> int:
+    """Dynamic shared memory bytes a `@T.prim_func`'s kernel, lowered for `arch` (run on `device`), launches with."""
     import tilelang
     from tvm.ir.transform import PassContext
     from tvm.target import Target
@@ -59,11 +59,7 @@ def lowered_smem(func, arch: str, device: str | None = None) -> tuple[int, int]:
     with target, PassContext(config=run_pass_configs(arch, device) if device else {}):
         art = tilelang.lower(func, target=target)
     (kernel,) = art.device_mod.functions.values()
-    dynamic = int(kernel.attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in kernel.attrs else 0
-    sizes = {"uint64_t": 8, "uint": 4, "int": 4, "float": 4, "half_t": 2, "bfloat16_t": 2, "uchar": 1}
-    static = sum(sizes[t] * int(n) for t, n in re.findall(r"__shared__ (?:__align__\(\d+\) )?(\w+) \w+\[(\d+)\]",
-                                                        art.kernel_source))
-    return dynamic, static
+    return int(kernel.attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in kernel.attrs else 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +73,11 @@ class CudaBuild:
     def registers(self) -> list[int]:
         """Registers per thread of each kernel, from the ptxas report."""
         return [int(x) for x in re.findall(r"Used (\d+) registers", self.log)]
+
+    @property
+    def static_smem(self) -> list[int]:
+        """Static shared memory (bytes) of each kernel, from the ptxas report."""
+        return [int(x) for x in re.findall(r"(\d+) bytes smem", self.log)]
 
     @property
     def spills(self) -> list[int]:
