@@ -280,6 +280,8 @@ SMEM_CASES = [
                  None, id="sm90-simt-bf16-gated"),
     pytest.param("sm80", "float16", "ieee", TileConfig((128, 64, 32), stages=3), True, False, None,
                  id="sm80-mma-fp16-gated"),
+    pytest.param("sm80", "float32", "tf32", TileConfig((128, 64, 32), threads=128), False, True, None,
+                 id="sm80-tf32"),
     pytest.param("sm80", "float32", "ieee", TileConfig((128, 128, 16), threads=256, use_tensorcore=False), False,
                  True, None, id="sm80-simt-fp32"),
     # sm80's tf32x3 keeps one copy of the split tiles (lowering it takes TileLang about a minute)
