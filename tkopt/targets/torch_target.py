@@ -29,9 +29,7 @@ from tkopt.kernels.tuning import shape_bucket
 from tkopt.measure import Timer, Timing, compare, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64, "bool": torch.bool, "int64": torch.int64, "int32": torch.int32}
+from .kernel_builds import DTYPES, input_specs, prebuild, probe_inputs, record_built
 
 
 def first_device(values: Sequence[Any]) -> torch.device:
@@ -74,7 +72,7 @@ class TorchTarget(Target):
                  alternatives: Mapping[str, Callable[[], Callable[..., Any]]] | None = None,
                  cuda_graphs: bool = True, inductor: bool = False,
                  as_user: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
-                 call: Callable[[Callable[..., Any]], Any] | None = None) -> None:
+                 call: Callable[[Callable[..., Any]], Any] | None = None, build_workers: int | None = None) -> None:
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
         self.flat = pytree.tree_leaves((self.args, self.kwargs))
         self.device = first_device(self.flat)
@@ -86,6 +84,7 @@ class TorchTarget(Target):
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.inductor = inductor and self.device.type == "cuda"
         self.node_timer = Timer(self.device, runs=20, warmup=1, max_seconds=1.0)
+        self.build_workers = build_workers  # worker interpreters building kernels (None: one per core but one)
         self.as_user = as_user or (lambda run: run)
         self.call = call or (lambda fn: fn(*self.args, **self.kwargs))
 
@@ -113,14 +112,18 @@ class TorchTarget(Target):
     # ---- kernels ----------------------------------------------------------------------------------
     def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
         """Compile and run each distinct kernel once on small random inputs; nodes with the same signature
-        share one probe (and one compiled kernel: the kernels cache them by compile-time key). One at a
-        time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
+        share one probe (and one compiled kernel: the kernels cache them by compile-time key). The kernels
+        are built in parallel workers first (kernel_builds.prebuild); the probes here then load them, one
+        at a time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
         if not use_kernels():
             return {}
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
+        reps = [group[0] for group in groups.values()]
+        prebuild(reps, self.device, self.fingerprint(), self.build_workers)
         reasons = {k: self._probe(group[0]) for k, group in groups.items()}
+        record_built([n for n in reps if reasons[repr(_probe_key(n))] is None], self.device, self.fingerprint())
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
 
     def _probe(self, node: Node) -> str | None:
@@ -128,7 +131,7 @@ class TorchTarget(Target):
 
         with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
             try:
-                run_kernel(node.op, _random_inputs(node, self.device), node.attrs)
+                run_kernel(node.op, probe_inputs(input_specs(node), self.device), node.attrs)
             except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
                 return f"{type(e).__name__}: {e}"
         return None
@@ -231,32 +234,6 @@ def _probe_key(n: Node) -> tuple:
     ins = tuple(None if v is None else (v.dtype, tuple(d if isinstance(d, int) else "?" for d in v.shape or ()))
                 for v in n.inputs)
     return n.op, tuple(sorted((k, repr(v)) for k, v in n.attrs.items())), ins
-
-
-def _random_inputs(node: Node, device: torch.device) -> list[torch.Tensor | None]:
-    """Small random tensors for a node's inputs: its dtypes and static dims, symbolic dims small (the same
-    symbol, the same size). Only dtypes and static dims matter to the kernels' compile-time keys, so the
-    kernel a probe builds is the one every call will use."""
-    sizes: dict[str, int] = {}
-    gen = torch.Generator().manual_seed(0)
-    tensors: list[torch.Tensor | None] = []
-    for v in node.inputs:
-        if v is None:
-            tensors.append(None)
-            continue
-        dtype = DTYPES.get(v.dtype or "")
-        if dtype is None:
-            raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
-        if v.shape is None:
-            raise ValueError(f"input {v.name} has unknown rank")
-        shape = []
-        for d in v.shape:
-            if d is None:
-                raise ValueError(f"input {v.name} has a dim of unknown size")
-            shape.append(d if isinstance(d, int) else sizes.setdefault(str(d), 3 + len(sizes)))
-        t = torch.rand(shape, generator=gen) > 0.1 if dtype == torch.bool else torch.randn(shape, generator=gen)
-        tensors.append(t.to(dtype).to(device))
-    return tensors
 
 
 class _Capture(fx.Interpreter):
