@@ -102,15 +102,27 @@ def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[
                 return
 
 
+def build_workers() -> int | None:
+    """TKOPT_BUILD_WORKERS: at most this many build workers per compile (1: none; unset: one per core but one).
+    Processes that already run side by side (pytest -n) set it so their workers do not multiply."""
+    value = os.environ.get("TKOPT_BUILD_WORKERS")
+    if not value:
+        return None
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise ValueError(f"TKOPT_BUILD_WORKERS must be a number of workers, got {value!r}") from None
+
+
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
              workers: int | None = None) -> None:
     """Build the kernels of `nodes` (one per distinct kernel) not built here before in parallel worker
     interpreters, filling TileLang's disk cache for the probes that follow here. Nothing where one worker
-    would do (`workers` defaults to one per core but one); a failure only warns: the probes then build one
-    at a time, as without workers."""
+    would do (`workers` defaults to TKOPT_BUILD_WORKERS, else one per core but one); a failure only warns:
+    the probes then build one at a time, as without workers."""
     known = JsonFile(cache_path("built-kernels.json")).read()
     jobs = [job for key, job in _jobs(nodes, device, fingerprint).items() if key not in known]
-    workers = workers or default_workers(len(jobs))
+    workers = workers or build_workers() or default_workers(len(jobs))
     if workers < 2 or len(jobs) < 2:
         return
     try:
