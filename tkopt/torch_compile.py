@@ -295,8 +295,6 @@ class CompiledModule(nn.Module):
         if index is None:
             self.specialize(*boxed)
             index = len(self.specializations) - 1
-            if self.plain is not None:
-                return self.plain(*args, **kwargs)
         entry = self.specializations[index]
         if not entry.graphed:
             self.uncaptured_reason = f"the plain alternative runs ({entry.report.whole_graph.winner})"
