@@ -36,7 +36,7 @@ case "$phase" in
   tests)
     # Heuristic tile configs in tests: tuning is the benchmarks' business. SIGINT at the time limit makes
     # pytest print its summary of what ran (a plain kill would lose it).
-    TKOPT_AUTOTUNE=0 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
+    TKOPT_AUTOTUNE=0 TKOPT_BUILD_WORKERS=1 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
       -rfE ${TEST_PATHS:-tests} > "$out/gpu_tests.log" 2>&1
     echo "pytest rc=$? in $(( $(date +%s) - t0 ))s"; tail -n 40 "$out/gpu_tests.log"
     ;;
