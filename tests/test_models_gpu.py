@@ -35,6 +35,11 @@ def test_backend_encoder_layer_on_gpu(training: bool) -> None:
     with torch.set_grad_enabled(training):
         got, want = fast(x), model(x)
     assert _rel(got, want) < 1e-2
+    if not backend.graph_modules:
+        with torch.set_grad_enabled(training):
+            explained = torch._dynamo.explain(model)(x)
+        pytest.fail(f"Dynamo never called the backend: {explained.graph_count} graphs, breaks "
+                    f"{[str(b.reason) for b in explained.break_reasons]}")
     fusions = backend.graph_modules[-1].tkopt_report.fusions
     assert fusions["attention"] == 1 and fusions["add_norm"] == 2
     if training:
@@ -68,4 +73,4 @@ def test_compiled_decoder_decodes_on_gpu() -> None:
             outs.append((torch.cat(tokens, 1), out.logits))
     assert torch.equal(outs[0][0], outs[1][0])
     assert _rel(outs[1][1], outs[0][1]) < 1e-3
-    assert fast.tkopt_report.fusions["attention"] == 2
+    assert fast.tkopt_report.fusions["attention"] == 2, str(fast.tkopt_report)
