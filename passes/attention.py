@@ -51,7 +51,7 @@ CHAIN_OPS = ("Cast", "Identity", "Add", "Mul", "Div", "Where", "aten::masked_fil
 
 
 class _Miss(Exception):
-    """Not an attention at all: skip silently."""
+    """Not matched by the patterns: skipped silently unless `_near_miss` shows it is an attention."""
 
 
 class _Refuse(Exception):
@@ -941,6 +941,65 @@ def _match_sdpa(view: _View, n: Node) -> _Match:
     )
 
 
+# ---- near misses the patterns do not reach ---------------------------------------------------------
+# What computes Q·K^T or ·V in some frontend's spelling; MatMul is the one the patterns take.
+MATMUL_LIKE = ("MatMul", "Gemm", "Einsum", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum")
+# What the patterns follow between the two matmuls (the scores chain, the probabilities chain, bmm form).
+FOLLOWED = (*CHAIN_OPS, *PASS_THROUGH, "aten::masked_fill", "Reshape", "Expand", "Dropout", "aten::dropout",
+            "IsNaN", "Not", "Equal", "aten::any", "aten::full_like")
+NEAR = 6  # how many ops apart the matmuls may sit from the softmax
+
+
+def _path_to_matmul(view: _View, v: Value, backward: bool) -> list[Node] | None:
+    """The shortest chain of nodes from `v` to a matmul-like node (last), walking producers (`backward`) or
+    users, at most NEAR nodes long; None if there is none."""
+    frontier: list[tuple[Value, list[Node]]] = [(v, [])]
+    seen: set[int] = set()
+    for _ in range(NEAR):
+        nxt: list[tuple[Value, list[Node]]] = []
+        for x, path in frontier:
+            nodes = [view.producer(x)] if backward else view.users(x)
+            for n in nodes:
+                if n is None or id(n) in seen:
+                    continue
+                seen.add(id(n))
+                if n.op in MATMUL_LIKE:
+                    return [*path, n]
+                ins = n.inputs if backward else n.outputs
+                nxt += [(i, [*path, n]) for i in ins if i is not None]
+        frontier = nxt
+    return None
+
+
+def _near_miss(view: _View, sm: Node) -> str | None:
+    """Why a Softmax the patterns skipped is nonetheless an attention: over the last axis of 3-D or higher
+    scores, a matmul near on both sides. None when it is not one (a classifier head, a router)."""
+    rank = sm.inputs[0].rank if sm.inputs[0] is not None else None
+    if rank is None or rank < 3 or norm_axis(int(sm.attrs.get("axis", -1)), rank) != rank - 1:
+        return None
+    back, fwd = _path_to_matmul(view, sm.inputs[0], True), _path_to_matmul(view, sm.outputs[0], False)
+    if back is None or fwd is None:
+        return None
+    for path, where in ((back, "between Q·K^T and softmax"), (fwd, "between softmax and ·V")):
+        odd = next((n for n in path[:-1] if n.op not in FOLLOWED), None)
+        if odd is not None and odd.op == "Tanh":
+            return (f"attention logit soft-capping (Tanh {odd.name} {where}: tanh(scores / cap) * cap): "
+                    "FusedAttention applies no function to the scores")
+        if odd is not None:
+            return f"{odd.op} {odd.name} {where}: the attention patterns do not take it"
+    for path, what in ((back, "Q·K^T"), (fwd, "·V")):
+        mm = path[-1]
+        if mm.op == "aten::baddbmm":
+            return (f"{what} is aten::baddbmm {mm.name}, a batched matmul with a bias added inside it (ALiBi's "
+                    "position bias): the attention patterns take a MatMul with the bias added to its result")
+        if mm.op != "MatMul":
+            return f"{what} is {mm.op} {mm.name}: the attention patterns take a MatMul"
+    if rank != 4:
+        return f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)"
+    ops = ", ".join(f"{n.op} {n.name}" for n in back)
+    return f"Q·K^T reaches softmax through {ops}, a form the attention patterns do not take"
+
+
 @register("attention", fusion=True)
 def fuse_attention(graph: Graph, result: PassResult) -> None:
     """Fuse every decomposed or canonical scaled-dot-product attention into FusedAttention."""
@@ -955,6 +1014,8 @@ def fuse_attention(graph: Graph, result: PassResult) -> None:
             m = _match_softmax(view, anchor) if anchor.op == "Softmax" else _match_sdpa(view, anchor)
             _fuse_match(view, m, result, anchor)
         except _Miss:
-            continue
+            reason = _near_miss(view, anchor) if anchor.op == "Softmax" else None
+            if reason is not None:
+                result.refuse(anchor, reason)
         except _Refuse as e:
             result.refuse(anchor, str(e))

@@ -80,6 +80,8 @@ OPS: dict[str, Callable[..., torch.Tensor]] = {
     "Reciprocal": lambda x, **_: 1 / x,
     "aten::any": lambda x, dim, keepdim, **_: x.any(dim, keepdim=keepdim),
     "aten::full_like": lambda x, fill_value, **_: torch.full_like(x, fill_value),
+    "Tanh": lambda x, **_: torch.tanh(x),
+    "aten::baddbmm": lambda c, a, b, beta=1.0, alpha=1.0, **_: torch.baddbmm(c, a, b, beta=beta, alpha=alpha),
 }
 
 
@@ -439,6 +441,35 @@ def test_refuse_mask_after_softmax() -> None:
     q, k, v = _qkv(b)
     p = b.op("Add", b.op("Softmax", _scores(b, q, k), axis=-1), b.input("mask", B, 1, 13, 13))
     _refused(*b.run(b.op("MatMul", p, v)), "a mask added after softmax")
+
+
+def test_refuse_logit_soft_capping() -> None:
+    """Gemma 2: tanh(scores / cap) * cap before the mask. No FusedAttention computes it: refused, saying why."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    capped = b.op("Mul", b.op("Tanh", b.op("Div", _scores(b, q, k), b.const("cap", np.float32(50.0)))),
+                  b.const("cap2", np.float32(50.0)))
+    _refused(*b.run(_attend(b, b.op("Add", capped, b.input("mask", B, 1, 13, 13)), v)),
+             "attention logit soft-capping (Tanh")
+
+
+def test_refuse_alibi_inside_baddbmm() -> None:
+    """Bloom: Q·K^T as baddbmm(alibi, q, k^T) on (B*H, S, D), reshaped to 4-D, then masked."""
+    b = _Builder()
+    q3, kt3, v = b.input("q", B * H, 13, D), b.input("kt", B * H, D, 13), b.input("v", B, H, 13, D)
+    scores = b.op("aten::baddbmm", b.input("alibi", B * H, 1, 13), q3, kt3, beta=1.0, alpha=0.25)
+    s4 = b.op("Reshape", scores, shape=[B, H, 13, 13])
+    _refused(*b.run(_attend(b, b.op("Add", s4, b.input("mask", B, 1, 13, 13)), v)),
+             "Q·K^T is aten::baddbmm aten::baddbmm_0, a batched matmul with a bias added inside it (ALiBi")
+
+
+def test_softmax_that_is_not_attention_gets_no_reason() -> None:
+    """A classifier's softmax (2-D), and a 3-D one that no matmul reads: not attention, no refusal."""
+    b = _Builder()
+    x = b.input("x", B, 13, D)
+    logits = b.op("MatMul", b.input("h", B, D), b.input("w", D, 5))
+    result, fused = b.run(b.op("Softmax", logits, axis=-1), b.op("Softmax", b.op("MatMul", x, b.input("w2", D, 7))))
+    assert result.fused == 0 and not result.refusals
 
 
 def test_unscaled_with_scale_on_v_keeps_it_outside() -> None:
