@@ -189,3 +189,18 @@ def test_torch_compile_backend_replays_cuda_graphs(monkeypatch) -> None:
         for p in model.parameters():  # rebinding parameters: the graph read the old addresses, so recapture
             p.data = p.data * 0.5
         assert _rel(fast(x1), model(x1)) < 1e-2
+
+
+def test_packed_gated_mlp_kernel_halves_weight_and_bias_as_chunk_does() -> None:
+    """FusedGatedMLP packed=1 on the TileLang kernel: [Wg | Wu] and [bg | bu] split as torch.chunk(2) splits
+    the projection's output (Phi-3's gate_up_proj), against the unfused arithmetic."""
+    from tkopt.fused_ops import schema
+
+    op = schema("FusedGatedMLP")
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 5, 16, generator=g), torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    gate, up = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    attrs = op.full_attrs({"trans_b": 1, "activation": "silu", "packed": 1})
+    for run in (op.kernel, op.reference):
+        assert _rel(run([x, w, None, b, None], attrs)[0], want) < 1e-6
