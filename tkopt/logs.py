@@ -15,7 +15,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -31,19 +31,22 @@ def set_verbose(verbose: bool) -> None:
 
 
 @contextlib.contextmanager
-def quiet_exporters() -> Iterator[None]:
-    """torch's ONNX exporter and onnxscript log warnings about optional packages (torchvision) on every export;
-    only --verbose shows them."""
-    names = ("torch.onnx", "onnxscript")
+def loggers_at(level: int, names: Iterable[str]) -> Iterator[None]:
+    """The named loggers at `level` for a block, each given back its own level afterwards."""
     levels = {n: logging.getLogger(n).level for n in names}
-    if not _verbose:
-        for n in names:
-            logging.getLogger(n).setLevel(logging.ERROR)
+    for n in levels:
+        logging.getLogger(n).setLevel(level)
     try:
         yield
     finally:
-        for n, level in levels.items():
-            logging.getLogger(n).setLevel(level)
+        for n, level_before in levels.items():
+            logging.getLogger(n).setLevel(level_before)
+
+
+def quiet_exporters() -> contextlib.AbstractContextManager[None]:
+    """torch's ONNX exporter and onnxscript log warnings about optional packages (torchvision) on every export;
+    only --verbose shows them."""
+    return loggers_at(logging.ERROR, () if _verbose else ("torch.onnx", "onnxscript"))
 
 
 def _route(module: ModuleType | None = None) -> None:

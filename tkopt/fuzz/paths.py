@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tkopt.logs import loggers_at
+
 FX_PATHS = ("fx", "fx-kernels")
 ONNX_PATHS = ("onnx-dynamo", "onnx-dynamo-static", "onnx-script", "onnx-script-static", "onnx-dynamo-cpu")
 PATHS = FX_PATHS + ONNX_PATHS
@@ -146,16 +148,9 @@ def _flat(out: Any) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Exporters and tkopt warn a lot about things that are fine here; failures are caught, not logged."""
-    levels = {n: logging.getLogger(n).level for n in ("torch", "onnxscript", "tkopt", "torch._dynamo")}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), loggers_at(logging.ERROR, ("torch", "onnxscript", "tkopt", "torch._dynamo")):
         warnings.simplefilter("ignore")
-        for n in levels:
-            logging.getLogger(n).setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for n, lvl in levels.items():
-                logging.getLogger(n).setLevel(lvl)
+        yield
 
 
 @contextlib.contextmanager
