@@ -996,6 +996,13 @@ def _near_miss(view: _View, sm: Node) -> str | None:
             return f"{what} is {mm.op} {mm.name}: the attention patterns take a MatMul"
     if rank != 4:
         return f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)"
+    mm = back[-1]
+    if mm.inputs[0] is not None and mm.inputs[0].rank == 3:  # the bmm form: each operand a flattened 4-D tensor
+        odd = [v for v in mm.inputs if v is not None and _unflatten(view, v, mm) is None]
+        if odd:
+            made = ", ".join(f"{v.name} (from {p.op if (p := view.producer(v)) else 'outside'})" for v in odd)
+            return (f"Q·K^T is the 3-D MatMul {mm.name} whose operands {made} are not 4-D Q / K^T flattened by a "
+                    "Reshape (e.g. a scale applied after flattening)")
     ops = ", ".join(f"{n.op} {n.name}" for n in back)
     return f"Q·K^T reaches softmax through {ops}, a form the attention patterns do not take"
 

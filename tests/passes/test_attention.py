@@ -463,6 +463,19 @@ def test_refuse_alibi_inside_baddbmm() -> None:
              "Q·K^T is aten::baddbmm aten::baddbmm_0, a batched matmul with a bias added inside it (ALiBi")
 
 
+def test_refuse_scale_inside_the_bmm_form() -> None:
+    """DeBERTa: K flattened to 3-D, transposed, then divided by the scale before the bmm."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    q3 = b.op("Reshape", q, shape=[B * H, 13, D])
+    kt3 = b.op("Div", b.op("Transpose", b.op("Reshape", k, shape=[B * H, 13, D]), perm=[0, 2, 1]),
+               b.const("scale", np.float32(math.sqrt(D))))
+    s3 = b.op("MatMul", q3, kt3)
+    s4 = b.op("Reshape", s3, shape=[B, H, 13, 13])
+    mm = b.g.nodes[-2].name
+    _refused(*b.run(_attend(b, s4, v)), f"Q·K^T is the 3-D MatMul {mm} whose operands {kt3.name} (from Div)")
+
+
 def test_softmax_that_is_not_attention_gets_no_reason() -> None:
     """A classifier's softmax (2-D), and a 3-D one that no matmul reads: not attention, no refusal."""
     b = _Builder()
