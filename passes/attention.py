@@ -37,7 +37,7 @@ from tkopt.fused_ops import FLOAT_DTYPES
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .masks import MaskAnalysis, aligned, prove_causal
+from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal
 from .patterns import norm_axes, norm_axis
 from .pipeline import register
 from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, same
@@ -584,7 +584,8 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
             "FusedAttention takes one"
         )
     for t, fill in causal:
-        if math.isfinite(fill) and len(terms) > 1:  # type: ignore[arg-type]
+        others = [e for e in terms if e is not t]
+        if math.isfinite(fill) and others and not all(_negligible(view, e, fill) for e in others):  # type: ignore[arg-type]
             raise _Refuse(
                 f"causal mask {t.value.name} fills with the finite {fill:g} beside another mask: a row whose "
                 "earlier keys are all masked would differ (only a -inf causal fill combines)"
@@ -600,6 +601,16 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
         out.mask, out.mask_scale, out.mask_fill = _mask_input(view, explicit[0], shape)
         out.mask_keeps = int(explicit[0].kind != "drop")
     return out
+
+
+def _negligible(view: _View, t: _Term, fill: float) -> bool:
+    """Whether additive term `t` is provably a bias, never a mask, beside a finite causal fill: its magnitude
+    is below |fill| / 2**20 for every admitted size (ALiBi's slopes times positions), so no row loses all its
+    keys to it and the dropped keys' weights still underflow to exactly 0 (docs/LEGALITY.md)."""
+    if t.kind != "add":
+        return False
+    bound = magnitude_bound(view.masks, t.value)
+    return bound is not None and bound * abs(t.mult) <= abs(fill) / 2**20
 
 
 def _mask_input(view: _View, t: _Term, shape: Shape | None) -> tuple[Value, float, float]:

@@ -256,6 +256,26 @@ def test_causal_where_tril_buffer_plus_padding_mask_gpt2_form(fill: float) -> No
         _refused(result, fused, "causal mask bias fills with the finite -3.40282e+38 beside another mask")
 
 
+@pytest.mark.parametrize("slope", [0.5, 2.0**110])
+def test_finite_causal_fill_beside_a_bounded_bias(slope: float) -> None:
+    """ALiBi (MPT): a bias of slopes times key positions beside a finfo.min causal Where. Bounded far below the
+    fill, it is a bias and never masks a row: causal=1 plus the bias as the mask input. A bias as large as the
+    fill could mask whole rows: refused as a padding mask is."""
+    b = _Builder()
+    q, k, v = _qkv(b, sq=11)
+    tril = b.const("bias", np.tril(np.ones((11, 11), bool))[None, None])
+    positions = b.op("Cast", b.const("pos", np.arange(-10, 1, dtype=np.int64).reshape(1, 1, 1, 11)), to="float32")
+    alibi = b.op("Mul", positions, b.const("slopes", np.float32(slope) / 2.0 ** np.arange(1, H + 1, dtype=np.float32)
+                                           .reshape(1, H, 1, 1)))
+    s = b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D))))
+    s = b.op("Where", tril, s, b.const("minval", np.float32(np.finfo(np.float32).min)))
+    result, fused = b.run(_attend(b, b.op("Add", s, alibi), v))
+    if slope < 1:
+        assert _one(result, fused, causal=1).inputs[3] is alibi
+    else:
+        _refused(result, fused, "causal mask bias fills with the finite -3.40282e+38 beside another mask")
+
+
 def test_causal_from_computed_constant_is_absorbed() -> None:
     """A causal mask computed from constants (too large for canonicalize to fold) is evaluated, not read."""
     b = _Builder()
