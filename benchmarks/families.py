@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tkopt.coverage import FAMILIES, TOLERANCE, reasons
+
 os.environ.setdefault("TKOPT_KERNELS", "reference")
 
 DECODERS = (
@@ -36,8 +38,6 @@ ENCODERS = (
     "bert", "roberta", "deberta-v2", "albert", "distilbert", "electra", "mobilebert", "xlm-roberta", "camembert",
     "mpnet", "ernie", "deberta",
 )
-TOLERANCE = 1e-5
-FAMILIES = {"attention": ("attention",), "norm": ("add_norm",), "gemm": ("gemm", "gated_mlp")}
 
 
 @dataclass
@@ -77,12 +77,6 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int = 3) -> tuple[
     return torch.cat(tokens, 1), first
 
 
-def _reasons(report) -> list[str]:  # noqa: ANN001 - tkopt.report.Report
-    refused = {f"{r.rule}: {r.reason}" for r in report.passes.refusals}
-    unkept = {f"{n.fusion} {n.decision}: {n.reason}" for n in report.nodes if n.decision != "kept"}
-    return sorted(refused | unkept)
-
-
 def sweep_one(model_type: str, kind: str) -> Row:
     import tkopt
     from tkopt.models.hf import tiny_model
@@ -110,7 +104,7 @@ def sweep_one(model_type: str, kind: str) -> Row:
         layers = _layers(model)
         rep = fast.specializations[0].report
         row.fusions = {f: sum(rep.fusions.get(k, 0) for k in kinds) / layers for f, kinds in FAMILIES.items()}
-        row.refusals = sorted({r for s in fast.specializations for r in _reasons(s.report)})
+        row.refusals = sorted({r for s in fast.specializations for r in reasons(s.report)})
     except Exception as e:  # noqa: BLE001 - a failing family is a result
         tb = traceback.extract_tb(e.__traceback__)[-1]
         row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:240]} ({Path(tb.filename).name}:{tb.lineno})"
