@@ -1,6 +1,7 @@
 """Benchmark flash_attention (sm90 and forced sm80) against torch SDPA, same run, same inputs.
 
 Usage (on the GPU): python benchmarks/bench_attention.py [--prewarm N [--prewarm-only]] [--out DIR] [--quick]
+[--short]
 (device run: see benchmarks/results/attention.md for the exact command; `--prewarm N` compiles this
 benchmark's kernels with N processes first, `--prewarm N --prewarm-only` also the GPU tests' kernels; run
 the GPU tests with
@@ -13,6 +14,9 @@ Tuning: TKOPT_AUTOTUNE=1 makes pick_config time the candidates in kernels/attent
 (for the headline and d64 shapes only, to stay inside the device budget); every candidate's timing goes to
 the log and to bench_attention.json ("tuning"). The rows "sm90 pipelined" / "sm90 plain" run the headline
 shapes with the sm90 default config forced to each loop schedule (`pipelined` True / False).
+`--short` instead times the whole-model attention nodes at sequence 512, head dim 64 (`SHORT_CASES`) as
+CUDA-graph replays (GPU time, as tkopt's node selection times them) for every sm90 tuning candidate, against
+SDPA, plus ours launched eagerly (host cost included); writes bench_attention_short.json.
 """
 
 from __future__ import annotations
@@ -106,6 +110,78 @@ def cold_and_warm(tmp_cache: str):
     return res
 
 
+def qkv(b, hq, hkv, sq, skv, d, layout, dtype):
+    """Random q, k, v in `layout`: "bhsd", "bshd", or "mha" (BHSD views of (seq, batch, embed) projections,
+    as nn.MultiheadAttention makes them: SBHD in memory)."""
+
+    def one(h, s):
+        if layout == "mha":
+            return torch.randn(s, b, h * d, device="cuda", dtype=dtype).view(s, b, h, d).permute(1, 2, 0, 3)
+        return torch.randn(*((b, h, s, d) if layout == "bhsd" else (b, s, h, d)), device="cuda", dtype=dtype)
+
+    return one(hq, sq), one(hkv, skv), one(hkv, skv)
+
+
+# whole_models' attention nodes (H200, 2026-12-01 call 2, node timings: ours 0.0757 ms vs SDPA 0.0286 for
+# nn.TransformerEncoderLayer(1024, 16) at 8x512, whose q/k/v are "mha" views; BERT-base 16x512, whose
+# attention_mask becomes a (B, 1, S, S) bool mask: 0.113 vs 0.074): (name, B, H, S, D, layout, mask kind).
+SHORT_CASES = [
+    ("encoder 8x512", 8, 16, 512, 64, "mha", None),
+    ("encoder 8x512 contiguous", 8, 16, 512, 64, "bhsd", None),
+    ("bert 16x512 mask", 16, 12, 512, 64, "bshd", "bool-rows"),
+    ("bert 16x512 no mask", 16, 12, 512, 64, "bshd", None),
+]
+
+
+def short_specs():
+    from tkopt.kernels import attention as A
+
+    return [("sm90", "float16", 1, h, h, d, False, layout, mk, dict(cfg))
+            for _, _, h, _, d, layout, mk in SHORT_CASES
+            for cfg in A.tune_candidates("sm90", d, masked=mk is not None)]  # fmt: skip
+
+
+def short_row(name, b, h, s, d, layout, mk):
+    """One SHORT_CASES row: each tuning candidate and SDPA as CUDA-graph replays, and ours launched eagerly."""
+    from tkopt.cuda_graphs import capture
+    from tkopt.kernels import attention as A
+
+    torch.manual_seed(0)
+    q, k, v = qkv(b, h, h, s, s, d, layout, torch.float16)
+    lay = "bhsd" if layout == "mha" else layout
+    mask = None if mk is None else torch.ones(b, 1, s, s, dtype=torch.bool, device="cuda")  # all kept, as BERT's
+    qt, kt, vt = (t if lay == "bhsd" else t.transpose(1, 2) for t in (q, k, v))
+    row = dict(name=name, B=b, H=h, S=s, D=d, layout=layout, mask=mk, layouts=A.kernel_layouts(q, k, v, lay)[0])
+    fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)}
+    for cfg in A.tune_candidates("sm90", d, masked=mk is not None):
+        sched = "pipelined" if cfg.get("pipelined") else "plain"
+        label = f"ours {cfg['block_M']}x{cfg['block_N']} t{cfg['threads']} {sched}"
+        fns[label] = lambda cfg=cfg: A.flash_attention(q, k, v, mask=mask, layout=lay, arch="sm90", config=cfg)
+    ref = fns["sdpa"]()
+    for label, fn in fns.items():
+        try:
+            graph, out = capture(fn, q.device)
+            row[label + " (graph)"] = bench(graph.replay)
+            if label != "sdpa":
+                row[label + " rel err"] = rel_err(out if lay == "bhsd" else out.transpose(1, 2), ref)
+        except Exception as e:  # noqa: BLE001 - one failure must not lose the other numbers
+            row[label + " (graph)"] = f"failed: {e!r}"[:300]
+    first = next(x for x in fns if x != "sdpa")
+    row[first + " (eager)"] = bench(fns[first])
+    return row
+
+
+def run_short(out_dir):
+    rows = []
+    for case in SHORT_CASES:
+        rows.append(short_row(*case))
+        print(json.dumps(rows[-1], default=str), flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_attention_short.json"), "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+
+
 def _warm_one(spec):
     """Compile (or load) one kernel in a worker interpreter by calling the wrapper on small tensors."""
     import traceback
@@ -115,20 +191,19 @@ def _warm_one(spec):
     from tkopt.kernels.attention import flash_attention
 
     arch, dtype, b, hq, hkv, d, causal, layout, mk, cfg = spec
-    dt = getattr(torch, dtype)
     sq, skv = 70, 90
-    shp = (lambda h, s_: (b, h, s_, d)) if layout == "bhsd" else (lambda h, s_: (b, s_, h, d))
-    q = torch.randn(*shp(hq, sq), device="cuda", dtype=dt)
-    k = torch.randn(*shp(hkv, skv), device="cuda", dtype=dt)
-    v = torch.randn(*shp(hkv, skv), device="cuda", dtype=dt)
+    q, k, v = qkv(b, hq, hkv, sq, skv, d, layout, getattr(torch, dtype))
     mask = None
     if mk == "add":
         mask = torch.randn(b, 1, sq, skv, device="cuda")
     elif mk == "bool":
         mask = torch.rand(b, 1, 1, skv, device="cuda") > 0.3
+    elif mk == "bool-rows":
+        mask = torch.rand(b, 1, sq, skv, device="cuda") > 0.3
     t = time.perf_counter()
     try:
-        flash_attention(q, k, v, causal=causal, mask=mask, layout=layout, arch=arch, config=cfg)
+        flash_attention(q, k, v, causal=causal, mask=mask, layout="bhsd" if layout == "mha" else layout, arch=arch,
+                        config=cfg)
         torch.cuda.synchronize()
         return spec, time.perf_counter() - t, None
     except Exception:
@@ -182,12 +257,12 @@ def warm_specs(tests: bool = True):
     return out
 
 
-def prewarm(workers: int, tests: bool = True):
+def prewarm(workers: int, tests: bool = True, short: bool = False):
     import bench_attention  # this script under its module name: workers import that, never __main__
 
     from tkopt.kernels.workers import map_in_workers
 
-    specs = warm_specs(tests)
+    specs = short_specs() if short else warm_specs(tests)
     t = time.perf_counter()
     res = map_in_workers(bench_attention._warm_one, specs, workers)
     wall = time.perf_counter() - t
@@ -252,11 +327,15 @@ def main():
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--prewarm", type=int, default=0, help="compile every kernel first with N processes")
     ap.add_argument("--prewarm-only", action="store_true")
+    ap.add_argument("--short", action="store_true", help="only SHORT_CASES (sequence 512, head dim 64)")
     args = ap.parse_args()
     if args.prewarm:
-        prewarm(args.prewarm, tests=args.prewarm_only)
+        prewarm(args.prewarm, tests=args.prewarm_only, short=args.short)
         if args.prewarm_only:
             return
+    if args.short:
+        run_short(args.out)
+        return
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}, torch {torch.__version__}")

@@ -41,7 +41,7 @@ def build(name: str) -> tuple[torch.nn.Module, str, int, int]:
     heads, hidden)."""
     import transformers as tf
 
-    from tkopt.models.hf import HFWrapper
+    from tkopt.models.hf import TensorsIn
 
     torch.manual_seed(0)
     if name == "bert":
@@ -59,7 +59,7 @@ def build(name: str) -> tuple[torch.nn.Module, str, int, int]:
         heads, hidden = cfg.num_attention_heads, cfg.hidden_size
     else:
         raise ValueError(f"unknown model {name!r}")
-    return HFWrapper(model).eval(), kind, heads, hidden
+    return TensorsIn(model, ["input_ids", "attention_mask"], use_cache=False).eval(), kind, heads, hidden
 
 
 def rounds(variants: dict[str, Callable[[], Any]], runs: int, warmup: int) -> dict[str, dict[str, float]]:

@@ -4,7 +4,8 @@
 # pip-installed there: a symlink shim gives the package-dir layout (tkopt.kernels = kernels/, ...).
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
-#                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only)
+#                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only;
+#                                                   # attention_short: attention at sequence 512, head dim 64)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
 # WHOLE_TIMEOUT), MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
 # onnxruntime-gpu wheel (CUDA 13) installed into a temporary folder ahead of the image's CPU onnxruntime, so the
@@ -35,7 +36,7 @@ case "$phase" in
   tests)
     # Heuristic tile configs in tests: tuning is the benchmarks' business. SIGINT at the time limit makes
     # pytest print its summary of what ran (a plain kill would lose it).
-    TKOPT_AUTOTUNE=0 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
+    TKOPT_AUTOTUNE=0 TKOPT_BUILD_WORKERS=1 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
       -rfE ${TEST_PATHS:-tests} > "$out/gpu_tests.log" 2>&1
     echo "pytest rc=$? in $(( $(date +%s) - t0 ))s"; tail -n 40 "$out/gpu_tests.log"
     ;;
@@ -47,6 +48,7 @@ case "$phase" in
         gemm_fp32) timeout 150 python benchmarks/bench_gemm.py --fp32 --out "$out" ;;
         whole) timeout "${WHOLE_TIMEOUT:-500}" python benchmarks/whole_models.py --out "$out" ${WHOLE_ARGS:-} ;;
         attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
+        attention_short) timeout 150 python benchmarks/bench_attention.py --short --out "$out" --prewarm 11 ;;
         norm) timeout 60 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
               timeout 60 python benchmarks/bench_norm.py --phase measure --out "$out" ;;
         models) timeout "${MODELS_TIMEOUT:-200}" python benchmarks/bench_models.py --out "$out" --budget-s 150 ${MODELS_ARGS:-} ;;

@@ -20,9 +20,10 @@ bool mask's fill, the guard for fully masked / NaN rows, and the tile config.
 Batch, query length and key/value length are dynamic (`T.dynamic`), so one compiled kernel serves
 every batch size and sequence length; compiled kernels are cached in memory per key.
 
-Layouts: each of q, k, v, out is indexed in whichever of BHSD / BSHD it is contiguous in, so a BSHD
-tensor (or a transposed view of a BHSD one) is read in place through the kernel's indexing, never
-copied. Only tensors contiguous in neither layout are copied (`.contiguous()` in the requested layout).
+Layouts: each of q, k, v is indexed in whichever of BHSD / BSHD / SBHD (MEMORY_LAYOUTS) it is contiguous
+in, so a BSHD tensor, a transposed view of a BHSD one, or nn.MultiheadAttention's heads of a (seq, batch,
+embed) projection are read in place through the kernel's indexing, never copied. Only tensors contiguous
+in none are copied (`.contiguous()` in the requested layout); the output is written in that layout.
 
 Masks: any tensor broadcastable to (B, Hq, Sq, Skv). Leading dims are added as size 1; every size-1
 dim is a broadcast dim the kernel indexes at 0 (stride-0 semantics, nothing is expanded). A float mask
@@ -30,8 +31,8 @@ is read as float32 (float64 by the cpu variant of float64 inputs; converted if g
 dtype) and added after scaling, times
 `mask_scale`; a bool mask is read as uint8 through a zero-copy view, keeps where it equals `mask_keeps`
 (True; False for masked_fill's mask) and puts
-`mask_fill` elsewhere (finite fills stay finite: with a mask, GPU scores stay in the natural domain
-until exp2((s - max) * log2 e), so finfo.min * log2 e cannot overflow to -inf). `guard` says what a row
+`mask_fill` elsewhere (finite fills stay finite: GPU scores move to the log2 domain only where the fill
+times log2 e stays finite, so finfo.min never overflows to -inf). `guard` says what a row
 gives whose every score is -inf ("none": NaN, "masked": 0) or that holds a NaN ("nan": 0).
 """
 
@@ -46,7 +47,12 @@ import torch
 from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 
 LOG2E = 1.4426950408889634
-LAYOUTS = ("bhsd", "bshd")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+LAYOUTS = ("bhsd", "bshd")  # what q, k, v and the output are given in
+# The memory layouts the kernels index a tensor in, as the logical (batch, heads, seq, dim) axis each of its
+# dims holds. "sbhd" is nn.MultiheadAttention's: its q / k / v are (seq, batch, embed) projections viewed as
+# heads, contiguous in neither given layout (each was copied before this layout existed).
+MEMORY_LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
 GPU_HEAD_DIMS = (64, 128)
 CPU_MAX_HEAD_DIM = 256
 _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -111,8 +117,13 @@ def tune_candidates(arch: str, dim: int, masked: bool = False) -> list[dict]:
     return cands
 
 
+def _index(layout: str, b, h, s, d) -> tuple:
+    """(b, h, s, d) in the order of memory layout `layout`: a shape, an index, or slices of a tile."""
+    return tuple((b, h, s, d)[axis] for axis in MEMORY_LAYOUTS[layout])
+
+
 def _io_shape(layout: str, b, h, s, d) -> list:
-    return [b, h, s, d] if layout == "bhsd" else [b, s, h, d]
+    return list(_index(layout, b, h, s, d))
 
 
 def _mask_shape(bcast: tuple[bool, bool, bool, bool], full: Sequence) -> list:
@@ -131,6 +142,26 @@ def _bits(x: float, dtype: str):
     if dtype == "float64":
         return T.int64(struct.unpack("<q", struct.pack("<d", x))[0])
     return T.int32(struct.unpack("<i", struct.pack("<f", x))[0])
+
+
+def _visible(q_idx, k_idx, seq_kv, causal: bool):
+    """Whether key k_idx enters query q_idx's softmax: it exists (not padding of a partial key block) and,
+    causal, is not after the query."""
+    return (k_idx < seq_kv) & (q_idx >= k_idx) if causal else k_idx < seq_kv
+
+
+def _masked_score(s, m, visible, mask_kind: str, mask_keeps: bool, mask_scale, fill, neg_inf):
+    """One softmax input as the reference computes it, from s (the scaled q.k) and the mask value m: a bool
+    mask keeps s where m != 0 (m == 0 with mask_keeps False) and puts `fill` elsewhere; a float mask adds m
+    (times mask_scale unless it is None). A key that is not `visible` gets -inf whatever m says: a finite
+    fill must never give weight to a padding key or to one causality hides (the reference applies
+    causality after the mask). The one definition of masking, for both programs."""
+    if mask_kind == "bool":
+        m = T.cast(m, "int32")  # a uint8 condition breaks TVM's bound solver on the C backend (-1 as uint)
+        s = T.if_then_else((m != 0) if mask_keeps else (m == 0), s, fill)
+    else:
+        s = s + (m if mask_scale is None else m * mask_scale)
+    return T.if_then_else(visible, s, neg_inf)
 
 
 def _normalized(acc, total, guard: str, dtype: str):
@@ -190,15 +221,17 @@ def gpu_program(
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
     bb, bh, bq, bk = mask_bcast
     # Without a mask the scale is folded into exp2: exp2(s * scale*log2e - max * scale*log2e), with the row
-    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are scaled and masked
-    # in the natural domain and exponentiated as exp2((s - max) * log2e): a finite fill such as finfo.min
-    # would overflow to -inf if multiplied by log2e first, and a row of equal fills must weigh them equally.
+    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are masked before the
+    # exponent: in the log2 domain (s * scale*log2e, the fill times log2e; exp2(s - max)) where nothing can
+    # overflow there, that is a bool mask whose fill times log2e stays finite (-inf, -1e4). Otherwise in the
+    # natural domain, exponentiated as exp2((s - max) * log2e), one FMUL more per score: an additive mask's
+    # values are only known at run time, and a fill such as finfo.min times log2e would be -inf, where a row
+    # of equal fills must stay equal finite values that weigh their keys equally.
     s_log2 = scale * LOG2E
+    log2_scores = mask_kind == "bool" and (mask_fill == -math.inf or abs(mask_fill) * LOG2E < FLOAT32_MAX)
+    to_scores = LOG2E if log2_scores else 1.0  # what masked scores are in: log2 or natural units
     neg_inf = -T.infinity(accum)
-    fill = _const(mask_fill, accum)
-
-    def keeps(m):
-        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
+    fill = _const(mask_fill * to_scores, accum)
     # fp32 (tf32 tensor-core math): P goes through shared memory; a float32 register fragment cannot be
     # reused as the A operand of the second GEMM (TileLang's layout inference rejects the fragment copy).
     fp32 = dtype == "float32"
@@ -207,33 +240,31 @@ def gpu_program(
     pipelined = bool(pipelined) and not fp32
 
     def tile(buf, layout, b, h, s0, n):
-        if layout == "bhsd":
-            return buf[b, h, s0 : s0 + n, :]
-        return buf[b, s0 : s0 + n, h, :]
+        return buf[_index(layout, b, h, slice(s0, s0 + n), slice(None))]
 
     @T.macro
     def init_scores(acc_s, k, bx):
-        """Plain schedule: -inf where key k*block_N + j is out of range (or after the query, causal), 0
-        elsewhere; the QK^T GEMM accumulates onto it."""
+        """Plain schedule without a mask: -inf where key k*block_N + j is out of range (or after the query,
+        causal), 0 elsewhere; the QK^T GEMM accumulates onto it."""
         if causal:
             for i, j in T.Parallel(block_M, block_N):
                 q_idx = bx * block_M + i
                 k_idx = k * block_N + j
-                acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), 0, neg_inf)
+                acc_s[i, j] = T.if_then_else(_visible(q_idx, k_idx, seq_kv, causal), 0, neg_inf)
         else:
             for i, j in T.Parallel(block_M, block_N):
                 acc_s[i, j] = T.if_then_else(k * block_N + j >= seq_kv, neg_inf, 0)
 
     @T.macro
     def mask_scores(acc_s, k, bx):
-        """Pipelined schedule (the GEMM cleared acc_s): the same -inf, applied after the GEMM and only on
-        the blocks that need it (the last one, past seq_kv; the ones crossing the diagonal, causal)."""
+        """Pipelined schedule without a mask (the GEMM cleared acc_s): the same -inf, applied after the
+        GEMM and only on the blocks that need it (the last one, past seq_kv; those crossing the diagonal)."""
         if causal:
             if ((k + 1) * block_N > seq_kv) | ((k + 1) * block_N > bx * block_M + 1):
                 for i, j in T.Parallel(block_M, block_N):
                     q_idx = bx * block_M + i
                     k_idx = k * block_N + j
-                    acc_s[i, j] = T.if_then_else((q_idx >= k_idx) & (k_idx < seq_kv), acc_s[i, j], neg_inf)
+                    acc_s[i, j] = T.if_then_else(_visible(q_idx, k_idx, seq_kv, causal), acc_s[i, j], neg_inf)
         else:
             if (k + 1) * block_N > seq_kv:
                 for i, j in T.Parallel(block_M, block_N):
@@ -241,6 +272,9 @@ def gpu_program(
 
     @T.macro
     def apply_mask(Mask, acc_s, k, bx, by, bz):
+        """acc_s (the raw q.k of block k, the GEMM cleared it) scaled (into `to_scores` units) and masked,
+        -inf for invisible keys: after the mask, never under it, or a finite fill would overwrite the -inf
+        of padding and causality."""
         for i, j in T.Parallel(block_M, block_N):
             q_idx = bx * block_M + i
             k_idx = k * block_N + j
@@ -248,12 +282,9 @@ def gpu_program(
             mh = 0 if bh else by
             mq = 0 if bq else T.min(q_idx, seq_q - 1)
             mk = 0 if bk else T.min(k_idx, seq_kv - 1)
-            if mask_kind == "bool":
-                acc_s[i, j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), acc_s[i, j] * scale, fill)
-            elif mask_scale == 1.0:
-                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk]
-            else:
-                acc_s[i, j] = acc_s[i, j] * scale + Mask[mb, mh, mq, mk] * mask_scale
+            acc_s[i, j] = _masked_score(acc_s[i, j] * (scale * to_scores), Mask[mb, mh, mq, mk],
+                                        _visible(q_idx, k_idx, seq_kv, causal), mask_kind, mask_keeps,
+                                        None if mask_scale == 1.0 else mask_scale, fill, neg_inf)  # fmt: skip
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
@@ -264,14 +295,22 @@ def gpu_program(
         for i in T.Parallel(block_M):
             scores_max[i] = T.max(scores_max[i], scores_max_prev[i])
         if has_mask:
-            # A row with every key so far masked has max -inf: use 0 so exp2 gives 0, not NaN.
+            # The shift (scores_sum is scratch until the reduce_sum below): the running max, or 0 for a row
+            # whose every key so far is -inf, so exp2 gives 0, not NaN. The running max itself stays -inf: a
+            # later block shifted by 0 instead of its own max could underflow to 0 (scores of -1e4, say).
+            shift = scores_sum
             for i in T.Parallel(block_M):
-                scores_max[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-        if has_mask:
-            for i in T.Parallel(block_M):
-                scores_scale[i] = T.exp2((scores_max_prev[i] - scores_max[i]) * LOG2E)
-            for i, j in T.Parallel(block_M, block_N):
-                acc_s[i, j] = T.exp2((acc_s[i, j] - scores_max[i]) * LOG2E)
+                shift[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
+            if log2_scores:
+                for i in T.Parallel(block_M):
+                    scores_scale[i] = T.exp2(scores_max_prev[i] - shift[i])
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] - shift[i])
+            else:
+                for i in T.Parallel(block_M):
+                    scores_scale[i] = T.exp2((scores_max_prev[i] - shift[i]) * LOG2E)
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2((acc_s[i, j] - shift[i]) * LOG2E)
         else:
             for i in T.Parallel(block_M):
                 scores_scale[i] = T.exp2(scores_max_prev[i] * s_log2 - scores_max[i] * s_log2)
@@ -295,10 +334,12 @@ def gpu_program(
         hk = by // group
         for k in T.Pipelined(loop_range, num_stages=num_stages):
             T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
-            init_scores(acc_s, k, bx)
-            T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             if has_mask:
+                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 apply_mask(Mask, acc_s, k, bx, by, bz)
+            else:
+                init_scores(acc_s, k, bx)
+                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
             T.copy(acc_s, P_buf)
             rescale(acc_o, scores_scale)
@@ -307,9 +348,10 @@ def gpu_program(
 
     @T.macro
     def scores_of(acc_s, Mask, k, bx, by, bz):
-        mask_scores(acc_s, k, bx)
         if has_mask:
             apply_mask(Mask, acc_s, k, bx, by, bz)
+        else:
+            mask_scores(acc_s, k, bx)
 
     @T.macro
     def pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, n, bx, by, bz):
@@ -483,11 +525,8 @@ def cpu_program(
     bb, bh, bq, bk = mask_bcast
     neg_inf = -T.infinity(accum)
 
-    def keeps(m):
-        return m != T.uint8(0) if mask_keeps else m == T.uint8(0)
-
     def at(buf, layout, b, h, s, d):
-        return buf[b, h, s, d] if layout == "bhsd" else buf[b, s, h, d]
+        return buf[_index(layout, b, h, s, d)]
 
     @T.macro
     def body(Q, K, V, Mask, Output):
@@ -512,23 +551,23 @@ def cpu_program(
             for kb in T.serial(T.ceildiv(n_keys, block_N)):
                 for j in T.serial(block_N):
                     kj = kb * block_N + j
-                    s[j] = neg_inf
-                    if kj < n_keys:
-                        s[j] = 0
+                    s[j] = 0
+                    if kj < n_keys:  # keys past the end or hidden by causality: no q.k to compute
                         for d in T.serial(dim):
                             s[j] += T.cast(at(Q, lq, b, hq, qi, d), accum) * T.cast(at(K, lk, b, hk, kj, d), accum)
-                        s[j] = s[j] * exact[0]
-                        if has_mask:
-                            mb = 0 if bb else b
-                            mh = 0 if bh else hq
-                            mq = 0 if bq else qi
-                            mk = 0 if bk else kj
-                            if mask_kind == "bool":
-                                s[j] = T.if_then_else(keeps(Mask[mb, mh, mq, mk]), s[j], fill)
-                            elif mask_scale == 1.0:
-                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum)
-                            else:
-                                s[j] = s[j] + T.cast(Mask[mb, mh, mq, mk], accum) * exact[1]
+                    s[j] = s[j] * exact[0]
+                    # Masked like the GPU programs, padding keys of the last block included (the mask read
+                    # at the last key): the same _masked_score, so a masking defect shows here too.
+                    if has_mask:
+                        mb = 0 if bb else b
+                        mh = 0 if bh else hq
+                        mq = 0 if bq else qi
+                        mk = 0 if bk else T.min(kj, seq_kv - 1)
+                        m = Mask[mb, mh, mq, mk] if mask_kind == "bool" else T.cast(Mask[mb, mh, mq, mk], accum)
+                        s[j] = _masked_score(s[j], m, _visible(qi, kj, seq_kv, causal), mask_kind, mask_keeps,
+                                             None if mask_scale == 1.0 else exact[1], fill, neg_inf)  # fmt: skip
+                    else:
+                        s[j] = T.if_then_else(_visible(qi, kj, seq_kv, causal), s[j], neg_inf)
                 stat[2] = stat[0]
                 for j in T.serial(block_N):
                     stat[2] = T.if_then_else(s[j] > stat[2], s[j], stat[2])
@@ -547,10 +586,7 @@ def cpu_program(
                             acc[d] += s[j] * T.cast(at(V, lv, b, hk, kj, d), accum)
                 stat[0] = stat[2]
             for d in T.serial(dim):
-                if lo == "bhsd":
-                    Output[b, hq, qi, d] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
-                else:
-                    Output[b, qi, hq, d] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
+                Output[_index(lo, b, hq, qi, d)] = T.cast(_normalized(acc[d], stat[1], guard, accum), dtype)
 
     if has_mask:
 
@@ -623,33 +659,25 @@ def _pick_config(arch: str, key: tuple, dtype: str, dim: int, run_with) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # Public wrapper
 # ---------------------------------------------------------------------------------------------------
-def _layout_of(t: torch.Tensor, want: str) -> tuple[str, torch.Tensor]:
-    """(layout the kernel should index t in, t or a contiguous copy). t is given in layout `want`."""
-    if t.is_contiguous():
-        return want, t
-    other = "bshd" if want == "bhsd" else "bhsd"
-    if t.transpose(1, 2).is_contiguous():
-        return other, t
-    return want, t.contiguous()
-
-
-def _as_kernel_view(t: torch.Tensor, given: str, kernel_layout: str) -> torch.Tensor:
-    """t in logical layout `given` viewed in `kernel_layout` (a zero-copy view when it is contiguous there)."""
-    return t if given == kernel_layout else t.transpose(1, 2)
+def _layout_of(t: torch.Tensor, given: str) -> tuple[str, torch.Tensor]:
+    """(memory layout the kernel indexes t in, t viewed in it): t, given in layout `given`, is read in place
+    where one of MEMORY_LAYOUTS makes it contiguous (`given` first), else copied to `given`."""
+    logical = t if given == "bhsd" else t.transpose(1, 2)  # (batch, heads, seq, dim)
+    for layout in sorted(MEMORY_LAYOUTS, key=lambda m: m != given):
+        view = logical.permute(MEMORY_LAYOUTS[layout])
+        if view.is_contiguous():
+            return layout, view
+    return given, logical.permute(MEMORY_LAYOUTS[given]).contiguous()
 
 
 def kernel_layouts(q, k, v, layout: str):
     """((layout of q, k, v, out) as the kernel indexes them, (q, k, v) as views in those layouts).
 
-    Each of q/k/v (given in `layout`) is read in whichever of BHSD / BSHD it is contiguous in (a zero-copy
-    view); one contiguous in neither is copied to `layout`. The output is always written in `layout`.
+    Each of q/k/v (given in `layout`) is read in whichever of MEMORY_LAYOUTS it is contiguous in (a zero-copy
+    view); one contiguous in none is copied to `layout`. The output is always written in `layout`.
     """
-    lays, views = [], []
-    for t in (q, k, v):
-        lt, t = _layout_of(t, layout)
-        lays.append(lt)
-        views.append(_as_kernel_view(t, layout, lt))
-    return (*lays, layout), tuple(views)
+    lays, views = zip(*(_layout_of(t, layout) for t in (q, k, v)), strict=True)
+    return (*lays, layout), views
 
 
 def _check_inputs(q, k, v, mask, layout):

@@ -24,8 +24,13 @@ import torch
 from .arch import ARCHS, UnsupportedError
 from .precision import PRECISIONS
 
-# Usable shared memory per block (opt-in maximum), bytes.
+# Usable shared memory per block (opt-in maximum, dynamic plus static), bytes.
 SMEM_LIMIT = {"sm90": 227 * 1024, "sm80": 163 * 1024}
+# Static shared memory besides the dynamic buffer, kept free under SMEM_LIMIT: ptxas reports 1024 bytes for the
+# sm90 pipeline's mbarriers (16 bytes a stage, before alignment), none for sm80's cp.async pipeline.
+STATIC_SMEM = 1024
+# Deepest pipeline a config that leaves `stages` unset gets (it gets the most stages that fit, up to this).
+MAX_STAGES = 4
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _TORCH_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                 torch.float64: "float64"}
@@ -62,7 +67,8 @@ class TileConfig:
         must divide bk in whole MMA K steps. SIMT: each warp's 32 lanes (4 x 8) own a strided
         (wm/4) x (wn/8) sub-tile, and wk is the K depth of the register fragments (default: 16 bytes).
         None: the default layout.
-    stages: software pipeline depth of the K loop (smem buffers per operand).
+    stages: software pipeline depth of the K loop (smem buffers per operand). None: the most that fit in the
+        arch's shared memory, up to MAX_STAGES (`validate` returns the config with them set).
     threads: threads per block (sm90: a multiple of 128; TileLang adds a 128-thread TMA producer
         warpgroup of its own when it warp-specializes).
     use_tensorcore: True: tensor cores (fp32: tf32, or three tf32 products for full accuracy). False: FMA on
@@ -75,15 +81,17 @@ class TileConfig:
     >>> cfg = TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True)
     >>> cfg.validate("sm90", "float32").math("sm90", "float32")  # fp32 on tensor cores, full accuracy
     'tf32x3'
-    >>> TileConfig(block_tile=(128, 256, 64), threads=256).validate("sm80", "float16")
+    >>> cfg.validate("sm90", "float32").stages  # unset: the most that fit (the tf32x3 split tiles need room)
+    2
+    >>> TileConfig(block_tile=(128, 256, 64), stages=4, threads=256).validate("sm80", "float16")
     Traceback (most recent call last):
     ...
-    tkopt.kernels.arch.UnsupportedError: ... the sm80 limit is 163 KB. Nearest valid: TileConfig(...stages=2...)
+    tkopt.kernels.arch.UnsupportedError: ... the sm80 limit is 163 KB. Nearest valid: TileConfig(...stages=3...)
     """
 
     block_tile: tuple[int, int, int] = (128, 128, 64)
     warp_tile: tuple[int, ...] | None = None
-    stages: int = 3
+    stages: int | None = None
     threads: int = 128
     use_tensorcore: bool = True
     swizzle: int = 8
@@ -137,18 +145,40 @@ class TileConfig:
             return "mma"
         return "tf32" if precision == "tf32" else "tf32x3"
 
-    def smem_bytes(self, dtype, accumulators: int = 1, precision: str = "ieee") -> int:
-        """Shared memory the kernel allocates: pipelined A and B tiles (B per accumulator), plus the tf32
-        split tiles (tf32x3) or the row padding (SIMT), plus C staging (tensor cores)."""
+    def smem_bytes(self, arch: str, dtype, accumulators: int = 1, precision: str = "ieee") -> int:
+        """Dynamic shared memory the lowered kernel allocates (a CPU test compares it with TileLang's lowering).
+
+        T.Pipelined gives every tile written in the K loop `stages` buffers: A and B (one B per accumulator),
+        and on sm90 also the tf32x3 split tiles (sm80 keeps one copy of those). The output tile staged for the
+        store (stage_c) is live only after the loop, so TileLang places it over the loop's buffers. SIMT rows
+        are padded by 16 bytes; its B tile is counted in the larger of its two layouts (B or B transposed)."""
+        if self.stages is None:
+            raise ValueError(f"{self.describe()}: stages is unset; validate(arch, dtype) sets it")
         e = _DTYPE_BYTES[dtype_name(dtype)]
         bm, bn, bk = self.block_tile
+        if arch == "cpu":
+            return 0
         if not self.use_tensorcore:
             pad = 16 // e  # one 16-byte chunk per row keeps the fragment loads free of bank conflicts
-            return self.stages * (bm * (bk + pad) + accumulators * (bn * bk + pad * max(bn, bk))) * e
+            b = max(bk * (bn + pad), bn * (bk + pad))
+            return self.stages * (bm * (bk + pad) + accumulators * b) * e
         tiles = (bm * bk + accumulators * bk * bn) * e
-        split = 2 * tiles if dtype_name(dtype) == "float32" and precision != "tf32" else 0
-        c = bm * bn * e if self.stage_c else 0
-        return self.stages * tiles + split + c
+        loop = self.stages * tiles
+        if self.math(arch, dtype, precision) == "tf32x3":  # hi and lo copies of A and of each B
+            loop += 2 * tiles * (self.stages if arch == "sm90" else 1)
+        return max(loop, bm * bn * e if self.stage_c else 0)
+
+    def with_stages(self, arch: str, dtype, accumulators: int = 1, precision: str = "ieee") -> TileConfig:
+        """This config with `stages` set: as pinned, else the most (up to MAX_STAGES) whose shared memory fits
+        `arch` (1 when none does: validate then says how much it needs)."""
+        if self.stages is not None:
+            return self
+        if arch == "cpu":
+            return replace(self, stages=1)
+        fits = [s for s in range(1, MAX_STAGES + 1)
+                if replace(self, stages=s).smem_bytes(arch, dtype, accumulators, precision) + STATIC_SMEM
+                <= SMEM_LIMIT[arch]]
+        return replace(self, stages=max(fits, default=1))
 
     def simt_tiles(self, dtype) -> tuple[int, int, int, int, int]:
         """(wm, wn, wk, tm, tn) of the SIMT kernel: warp tile, fragment K depth, per-lane sub-tile.
@@ -209,7 +239,7 @@ class TileConfig:
         dt = dtype_name(dtype)
         problem = self.problem(arch, dt, accumulators, precision)
         if problem is None:
-            return self
+            return self.with_stages(arch, dt, accumulators, precision)
         msg = f"{self.describe()} on {arch} ({dt}): {problem}"
         near = self._nearest_valid(arch, dt, accumulators, precision)
         raise UnsupportedError(msg + (f". Nearest valid: {near.describe()}" if near else ""))
@@ -221,7 +251,7 @@ class TileConfig:
             return f"block_tile must be three positive ints (bm, bn, bk), got {self.block_tile}"
         if self.warp_tile is not None and (len(self.warp_tile) not in (2, 3) or min(self.warp_tile) <= 0):
             return f"warp_tile must be (wm, wn) or (wm, wn, wk) of positive ints, got {self.warp_tile}"
-        if self.stages < 1:
+        if self.stages is not None and self.stages < 1:
             return f"stages must be >= 1, got {self.stages}"
         if self.swizzle < 0:
             return f"swizzle must be >= 0, got {self.swizzle}"
@@ -243,12 +273,12 @@ class TileConfig:
                                "smaller tile or a smaller wk")
         if problem:
             return problem
-        smem = self.smem_bytes(dt, accumulators, precision)
+        staged = self.with_stages(arch, dt, accumulators, precision)
+        smem = staged.smem_bytes(arch, dt, accumulators, precision) + STATIC_SMEM
         if smem > SMEM_LIMIT[arch]:
-            what = ", C staging" if self.stage_c and self.use_tensorcore else ""
-            what += ", tf32 split tiles" if self.math(arch, dt, precision) == "tf32x3" else ""
-            return (f"needs {smem // 1024} KB of shared memory ({self.stages} stages{what}); the {arch} limit is "
-                    f"{SMEM_LIMIT[arch] // 1024} KB")
+            what = ", tf32 split tiles" if self.math(arch, dt, precision) == "tf32x3" else ""
+            return (f"needs {-(-smem // 1024)} KB of shared memory ({staged.stages} stage(s){what}); the {arch} "
+                    f"limit is {SMEM_LIMIT[arch] // 1024} KB")
         acc_regs = accumulators * bm * bn // self.threads
         if self.use_tensorcore and acc_regs > MAX_ACC_REGS:
             return (f"{accumulators} fp32 accumulator(s) of {bm}x{bn} over {self.threads} threads need {acc_regs} "
@@ -333,7 +363,8 @@ class TileConfig:
         # Both block dims halved/doubled together (a smaller square tile), and the K step with them.
         for f in (0.5, 2):
             moves.append(("block_tile", (int(self.bm * f), int(self.bn * f), self.bk), 1.5))
-        moves += [("stages", s, 0.5 * abs(s - self.stages)) for s in range(1, 7) if s != self.stages]
+        if self.stages is not None:
+            moves += [("stages", s, 0.5 * abs(s - self.stages)) for s in range(1, 7) if s != self.stages]
         moves += [("threads", t, abs(math.log2(t / self.threads))) for t in (64, 128, 256, 512) if t != self.threads]
         moves.append(("stage_c", not self.stage_c, 1.0))
         if self.warp_tile is not None:

@@ -86,7 +86,7 @@ def gemm_program(
 ):
     """The GEMM (or gated two-GEMM) program for one set of compile-time keys (see the module docstring)."""
     dtype = dtype_name(dtype)
-    config.validate(arch, dtype, accumulators=2 if gated else 1, precision=precision)
+    config = config.validate(arch, dtype, accumulators=2 if gated else 1, precision=precision)
     if act not in ACTIVATIONS:
         raise UnsupportedError(f"act: unknown activation {act!r}; expected one of {ACTIVATIONS}")
     math_kind = config.math(arch, dtype, precision)
@@ -439,9 +439,10 @@ _LOCKS_LOCK = threading.Lock()
 
 def kernel_key(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None, has_residual=False,
                gated=False, m=None, precision="ieee") -> tuple:
-    """compiled_kernel's arguments as its cache key: dtype by name, precision "tf32" only where it changes the
-    program (fp32 on tensor cores), so that equal programs share one compiled kernel."""
+    """compiled_kernel's arguments as its cache key: dtype by name, stages set, precision "tf32" only where it
+    changes the program (fp32 on tensor cores), so that equal programs share one compiled kernel."""
     dtype = dtype_name(dtype)
+    config = config.with_stages(arch, dtype, 2 if gated else 1, precision)
     precision = "tf32" if config.math(arch, dtype, precision) == "tf32" else "ieee"
     return (arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m, precision)
 

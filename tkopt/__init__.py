@@ -1,7 +1,8 @@
 """tkopt: graph-level fusion optimizer (FX and ONNX graphs in, fused torch modules and ONNX models out).
 
 Public names are imported lazily so that `import tkopt` stays cheap (no torch, no onnx). TileLang's log is
-routed through Python logging from the moment it is imported (tkopt.logs).
+routed through Python logging from the moment it is imported (tkopt.logs), and `torch.compile(model,
+backend="tkopt")` works from then on, installed or not (tkopt.backends.registration).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import importlib
 from typing import Any
 
 from tkopt import logs
+from tkopt.backends import registration
 
 logs.install()
+registration.install()
 
 _LAZY = {
     "compile": "tkopt.torch_compile",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +90,46 @@ class Timer:
             if over and len(samples) >= self.min_runs:
                 break
         return Timing.of(samples, self.warmup, "cuda_events" if self.cuda else "perf_counter")
+
+
+def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 20, warmup: int = 3,
+         max_seconds: float = 3.0) -> dict[str, Timing]:
+    """Each variant timed as a benchmark times it, and as a user's loop runs it: `warmup` untimed calls each
+    (CUDA-graph modes record on their second or third call), then rounds of one call per variant, the order
+    rotated each round so drift and the machine's other load hit all alike; median per variant. On CUDA each
+    call is bracketed by events with no synchronization until the round ends, so the CPU launches ahead as in
+    a loop and a variant's time is what the stream spends on it (its launch cost shows only where the CPU
+    cannot keep ahead: exactly where the user pays it). Rounds stop after `max_seconds` (at least 3)."""
+    cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    t0 = time.perf_counter()
+    for r in range(runs):
+        order = names[r % len(names):] + names[:r % len(names)]
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize(device)
+            events = []
+            for name in order:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                events.append((name, start, end))
+            torch.cuda.synchronize(device)
+            for name, start, end in events:
+                samples[name].append(start.elapsed_time(end))
+        else:
+            for name in order:
+                samples[name].append(_cpu_sample(fns[name]))
+        if r >= 2 and time.perf_counter() - t0 > max_seconds:
+            break
+    method = "cuda_events" if cuda else "perf_counter"
+    return {name: Timing.of(samples[name], warmup, method) for name in names}
 
 
 def time_calls(fn: Callable[[], Any], runs: int, warmup: int) -> Timing:

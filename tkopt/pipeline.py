@@ -6,16 +6,18 @@ answers every device question. Here, and only here, fused nodes are put back unf
 sealed; here the report is made.
 
 1. passes (tkopt.passes): canonicalize, recognize, fuse. Every fused node is a candidate.
-2. kernels: the target builds each candidate's kernel; a node whose kernel fails runs unfused, with a warning.
+2. kernels: the target builds each candidate's kernel (not those the decision cache already declines); a
+   node whose kernel fails runs unfused, with a warning.
 3. select: "all" keeps every candidate with a kernel. "measured" times each against what it replaces on the
    target, at its real shapes, and keeps it only if it is at least MARGIN faster; decisions are cached on
    disk (tkopt.decisions), the time spent is bounded (TKOPT_SELECT_SECONDS) and shown (tkopt.progress).
 4. seal: drop what only the unfused fallbacks read.
 5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
 6. whole graph ("measured"): the artifact against the plain alternatives the user already has (eager;
-   inductor with CUDA graphs; the original model in ORT), at the example inputs. Nodes interact (layouts,
-   the optimizations a fused node blocks), so a set of winning nodes can still lose as a whole: the
-   faster one is returned, so tkopt is never slower than what it replaces, by construction.
+   torch.compile with and without CUDA graphs; the original model in ORT), at the example inputs. Nodes
+   interact (layouts, the optimizations a fused node blocks), so a set of winning nodes can still lose as
+   a whole: the faster one is returned, so tkopt is never slower than what it replaces, by construction.
+   With no fusion kept, only the alternatives are compared (and with one, none is timed).
 """
 
 from __future__ import annotations
@@ -98,19 +100,23 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     candidates = [n for n in graph.nodes if n.is_fused]
     decisions = {n.name: NodeDecision(n.name, n.op, passes.fused_by.get(n.name, "?"), len(n.replaced))
                  for n in candidates}
+    cache = DecisionCache(target.name, target.fingerprint()) if select == "measured" else None
+    keys = {n.name: target.node_key(graph, n) for n in candidates} if cache is not None else {}
+    # A node the cache already declines is unfused whatever its kernel does: building the kernel only costs.
+    declined = {name for name, key in keys.items() if (entry := cache.get(key)) is not None and not entry["kept"]}
+    build = [n for n in candidates if n.name not in declined]
     failed: dict[str, str] = {}
-    if candidates:
-        with progress.step(f"building kernels for {len(candidates)} fused nodes on {target.where}"):
-            failed = target.probe(graph, candidates)
+    if build:
+        with progress.step(f"building kernels for {len(build)} fused nodes on {target.where}"):
+            failed = target.probe(graph, build)
     for n in candidates:
         if n.name in failed:
             _decide(decisions[n.name], "kernel_failed", failed[n.name])
             warnings.warn(f"tkopt: {n.name} ({n.op}) runs unfused on {target.where}: its kernel failed: "
                           f"{failed[n.name]}", stacklevel=2)
     lap("kernels")
-    cache = DecisionCache(target.name, target.fingerprint()) if select == "measured" else None
     if cache is not None:
-        _select(graph, target, [n for n in candidates if n.name not in failed], decisions, cache)
+        _select(graph, target, [n for n in candidates if n.name not in failed], decisions, cache, keys)
         lap("selection")
     for n in candidates:
         if decisions[n.name].decision != "kept":
@@ -120,8 +126,9 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     lap("emit")
     whole, winner = None, "tkopt"
     if cache is not None and target.alternatives():
+        fused = any(d.decision == "kept" for d in decisions.values())
         with progress.step("timing the whole graph against the plain alternatives"):
-            whole = _whole(graph, target, artifact, cache)
+            whole = _whole(graph, target, artifact if fused else None, cache)
         winner = whole.winner
         if winner != "tkopt":
             artifact = target.alternative(winner)
@@ -172,9 +179,9 @@ def _apply(d: NodeDecision, entry: dict[str, Any], cached: bool) -> None:
 
 
 def _select(graph: Graph, target: Target, alive: list[Node], decisions: dict[str, NodeDecision],
-            cache: DecisionCache) -> None:
-    """Decide every candidate from the cache or by measuring one node per distinct key, in a time budget."""
-    keys = {n.name: target.node_key(graph, n) for n in alive}
+            cache: DecisionCache, keys: dict[str, Any]) -> None:
+    """Decide every candidate from the cache or by measuring one node per distinct key (`keys`: each node's
+    target.node_key), in a time budget."""
     groups: dict[str, list[Node]] = {}
     for n in alive:
         entry = cache.get(keys[n.name])
@@ -210,16 +217,23 @@ def _select(graph: Graph, target: Target, alive: list[Node], decisions: dict[str
 
 
 def _whole(graph: Graph, target: Target, artifact: Any, cache: DecisionCache) -> WholeGraph:
-    """The artifact against the target's plain alternatives (cached like node decisions)."""
+    """The artifact against the target's plain alternatives (cached like node decisions). With no fusion kept
+    (`artifact` None) tkopt's graph is the user's model re-exported: not timed, nor built further; the best
+    alternative runs (the only one without timing anything, as on the CPU, where it is the module itself)."""
+    names = target.alternatives()
+    if artifact is None and len(names) == 1:
+        return WholeGraph(names[0], {}, note="no fusion kept, so the model runs as it was")
     key = target.whole_key(graph, artifact)
     entry = cache.get(key)
     if entry is not None:
         return WholeGraph(entry["winner"], entry["times_ms"], cached=True)
     try:
-        times = {k: t.min_ms for k, t in target.compare_whole(graph, artifact).items()}
+        # Medians: the whole graph is timed as the user runs it, variants alternating (measure.race), and
+        # the median is what their loop gets; a node's decision compares fastest calls instead (`_wins`).
+        times = {k: t.median_ms for k, t in target.compare_whole(graph, artifact).items()}
     except Exception as e:  # noqa: BLE001 - an alternative that fails is no alternative: keep tkopt's
         return WholeGraph("tkopt", {}, note=f"not compared: {type(e).__name__}: {e}")
     best = min((k for k in times if k != "tkopt"), key=times.__getitem__)
-    winner = "tkopt" if times["tkopt"] * WHOLE_MARGIN <= times[best] else best
+    winner = "tkopt" if "tkopt" in times and times["tkopt"] * WHOLE_MARGIN <= times[best] else best
     cache.put(key, {"winner": winner, "times_ms": times, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return WholeGraph(winner, times)

@@ -52,7 +52,7 @@ class WholeGraph:
     """The final graph against the plain alternatives the user already has, at the example inputs."""
 
     winner: str  # "tkopt" or the name of the alternative that was faster
-    times_ms: dict[str, float]  # variant -> its fastest call (tkopt.measure.compare says why the fastest)
+    times_ms: dict[str, float]  # variant -> its median call, variants alternating (tkopt.measure.race)
     cached: bool = False
     note: str = ""
 
@@ -151,7 +151,7 @@ class Report:
         if self.nodes:
             console.print(self._node_table(verbose))
         if self.whole_graph is not None and not self.whole_graph.times_ms:
-            console.print(f"whole graph: tkopt's runs; {self.whole_graph.note}")
+            console.print(f"whole graph: {self.whole_graph.winner} runs; {self.whole_graph.note}")
         elif self.whole_graph is not None:
             w = self.whole_graph
             ordered = sorted(w.times_ms.items(), key=lambda kv: kv[0] != "tkopt")

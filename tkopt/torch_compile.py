@@ -11,13 +11,19 @@ tkopt warns and exports statically.
 
 Each specialization goes through tkopt.pipeline with a torch target (tkopt.targets.torch_target): by
 default (select="measured") each fusion is kept only where it measured faster than what it replaces on
-the device, and the whole result only where it measured faster than the plain alternatives (eager; on
-CUDA also inductor with CUDA graphs): a specialization whose alternative won runs that alternative.
+the device, and the whole result only where it measured faster than what the user already has: the
+module itself, eager, and on CUDA also `torch.compile(module)` with torch's defaults and with
+mode="reduce-overhead", each called as the user would call it, alternating with tkopt's result called
+through this module (measure.race). Where an alternative wins, calls go straight to it with the user's
+arguments, so they cost what it costs; where it wins the first comparison (the one tkopt.compile makes),
+every later call does, and no input signature is optimized again (the alternative handles new shapes
+as it would without tkopt: eager, or torch.compile's automatic dynamic shapes).
 
 On CUDA inputs (and with autograd off) each exact input signature is captured once as a CUDA graph
 and replayed afterwards (tkopt.cuda_graphs): the per-op Python dispatch would otherwise cost more
 than the kernels. cuda_graphs=False runs every call through Python. On CUDA the ops tkopt left
-unfused also go through inductor by default (inductor=None).
+unfused also go through inductor by default (inductor=None), with torch.compile's automatic dynamic
+shapes (static first, dynamic on a recompile), as the user's own torch.compile would.
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ class Specialization:
 
     module: fx.GraphModule
     graph: Graph  # the IR it was emitted from (fused nodes know what they replaced)
-    run: Any  # what calls go to: `module`, inductor's compilation of it, or the plain alternative that won
-    graphed: bool  # whether calls may be replayed as CUDA graphs (not for an alternative that won)
+    run: Any  # what calls go to: `module` or inductor's compilation of it, called on boxed inputs; or the
+    # plain alternative that won, called with the user's own arguments
+    graphed: bool  # tkopt's program won: calls are boxed and may be replayed as CUDA graphs
     report: Report
     in_spec: pytree.TreeSpec
     inputs: list[Any]  # per flat input: its placeholder's example value (FakeTensor) or the constant
@@ -151,7 +158,9 @@ class InductorOrEager:
 
     def __init__(self, gm: fx.GraphModule, dynamic: bool) -> None:
         self.gm = gm
-        self.compiled: Any = torch.compile(gm, fullgraph=True, dynamic=dynamic)
+        # dynamic=None is torch's automatic dynamic: static shapes first, dynamic dims only on a recompile.
+        # Compiling the remainder with every dim dynamic (dynamic=True) ran it slower than static code.
+        self.compiled: Any = torch.compile(gm, fullgraph=True, dynamic=None if dynamic else False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is None:
@@ -183,6 +192,7 @@ class CompiledModule(nn.Module):
         self.graphs = GraphCache()
         self.uncaptured_reason: str | None = None  # why the latest call ran without a CUDA graph
         self.specializations: list[Specialization] = []
+        self.plain: Any = None  # the alternative that won the first comparison: every call goes to it
 
     @property
     def tkopt_report(self) -> Report:
@@ -209,25 +219,41 @@ class CompiledModule(nn.Module):
         # the tkopt:: ops as extern kernels, through their fake impls while tracing.
         use_inductor = device.type == "cuda" if self.inductor is None else self.inductor
         wrap = (lambda gm: InductorOrEager(gm, self.dynamic)) if use_inductor else None
+        index = len(self.specializations)
+
+        def as_user(run: Any) -> Any:  # tkopt's program behind this module's own call path
+            def user_call(*a: Any, **kw: Any) -> Any:
+                boxer = Boxer()
+                return self._call(index, run, boxer, boxer.box((a, kw)))
+
+            return user_call
+
+        def call(fn: Any) -> Any:  # fresh objects per call: a model may update a cache passed in
+            a, kw = unbox((args, kwargs))[0]
+            return fn(*a, **kw)
+
         target = TorchTarget((args, kwargs), wrap=wrap, alternatives=self._alternatives(device),
-                             cuda_graphs=self.cuda_graphs, inductor=use_inductor)
+                             cuda_graphs=self.cuda_graphs, inductor=use_inductor, as_user=as_user, call=call)
         result = optimize(graph, target, select=self.select, disable=self.disable, source=type(self.module).__name__)
         gm = result.emitted
-        run = target.runner(gm) if result.winner == "tkopt" else result.artifact
+        won = result.winner == "tkopt"
+        run = target.runner(gm) if won else result.artifact
         placeholders = gm.graph.find_nodes(op="placeholder")
         examples = [node_val(p) if isinstance(x, (torch.Tensor, int)) and not isinstance(x, bool) else x
                     for p, x in zip(placeholders, flat, strict=True)]
         ranges = ep.range_constraints if self.dynamic else {}
         mutated = [n.removeprefix("module.") for n in ep.graph_signature.buffers_to_mutate.values()]
         state = StateGuard.record(self.module, mutated)
-        entry = Specialization(gm, result.graph, run, result.winner == "tkopt", result.report, spec, examples, ranges,
-                               state)
+        entry = Specialization(gm, result.graph, run, won, result.report, spec, examples, ranges, state)
         if self.check_accuracy:
             def eager(*a: Any, **kw: Any) -> Any:
                 a, kw = unbox((a, kw))[0]
                 return self.module(*a, **kw)
 
             def fused(*a: Any, **kw: Any) -> Any:
+                if not won:
+                    a, kw = unbox((a, kw))[0]
+                    return run(*a, **kw)
                 return unbox(run(a, kw)[0])[0]
 
             entry.accuracy = check_module(eager, fused, examples, ranges, args, kwargs)
@@ -236,19 +262,37 @@ class CompiledModule(nn.Module):
                 raise AccuracyError(f"tkopt.compile: fused outputs {bad} differ from eager beyond tolerance: "
                                     f"{entry.accuracy.outputs}")
         self.specializations.append(entry)
+        if not won and index == 0:
+            self.plain = run
+            self.uncaptured_reason = f"the plain alternative runs ({result.winner})"
         if len(self.specializations) > 1:
             log.info("tkopt.compile: optimized specialization %d for a new input signature", len(self.specializations))
         return entry
 
     def _alternatives(self, device: torch.device) -> dict[str, Any]:
-        """What a user of this module already has, to time tkopt's result against (built on demand), called
-        as the exported program is (boxed inputs in, boxed outputs and final object states out)."""
-        alternatives: dict[str, Any] = {"eager": lambda: Exported(self.module)}
+        """What a user of this module already has, exactly as they would have it (built on demand): the module
+        itself, and on CUDA torch.compile of it with torch's defaults and with CUDA graphs."""
+        alternatives: dict[str, Any] = {"eager": lambda: self.module}
         if device.type == "cuda":
-            alternatives["inductor+cudagraphs"] = lambda: torch.compile(Exported(self.module), mode="reduce-overhead")
+            alternatives["inductor"] = lambda: torch.compile(self.module)
+            alternatives["inductor+cudagraphs"] = lambda: torch.compile(self.module, mode="reduce-overhead")
         return alternatives
 
+    def _call(self, index: int, run: Any, boxer: Boxer, boxed: tuple[tuple, dict]) -> Any:
+        """A call of tkopt's program `run` (specialization `index`) on the user's arguments, boxed by `boxer`:
+        replayed as a CUDA graph where it can be, the objects passed in updated to the state the model left."""
+        flat, spec = pytree.tree_flatten((boxed, {}))
+        self.uncaptured_reason = "cuda_graphs=False" if not self.cuda_graphs else capturable(flat, self.module)
+        if self.uncaptured_reason is not None:
+            out, finals = run(*boxed)
+        else:
+            out, finals = self.graphs((index, signature(flat)), run, flat, spec)
+        unbox(finals, boxer.objects)
+        return unbox(out, boxer.objects)[0]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.plain is not None:
+            return self.plain(*args, **kwargs)
         boxer = Boxer()
         boxed = boxer.box((args, kwargs))
         flat, spec = pytree.tree_flatten((boxed, {}))
@@ -258,17 +302,9 @@ class CompiledModule(nn.Module):
             index = len(self.specializations) - 1
         entry = self.specializations[index]
         if not entry.graphed:
-            self.uncaptured_reason = f"the plain alternative ran faster ({entry.report.whole_graph.winner})"
-        elif not self.cuda_graphs:
-            self.uncaptured_reason = "cuda_graphs=False"
-        else:
-            self.uncaptured_reason = capturable(flat, entry.module)
-        if self.uncaptured_reason is not None:
-            out, finals = entry.run(*boxed)
-        else:
-            out, finals = self.graphs((index, signature(flat)), entry.run, flat, spec)
-        unbox(finals, boxer.objects)  # objects passed in get the state the model left them in
-        return unbox(out, boxer.objects)[0]
+            self.uncaptured_reason = f"the plain alternative runs ({entry.report.whole_graph.winner})"
+            return entry.run(*args, **kwargs)
+        return self._call(index, entry.run, boxer, boxed)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

@@ -5,6 +5,8 @@ fixtures of the same purpose below):
 
 - `lower_cuda(func, arch)`: lower a `@T.prim_func` to CUDA C++ source for sm90 or sm80 (no GPU needed;
   the target comes from tkopt.kernels.arch.target_of).
+- `lowered_smem(func, arch, device=None)`: the dynamic shared memory bytes the lowered kernel launches with;
+  `device` ("sm_90") lowers as `arch`'s program is built to run on that GPU.
 - `cuda_compile(src, arch)`: nvcc-compile lowered CUDA source to a cubin for sm_90a / sm_80 with
   TileLang's template and CUTLASS include dirs (the flags TileLang's own libgen uses). Returns a
   `CudaBuild` (cubin path, ptxas resource report); raises AssertionError with nvcc's output on failure.
@@ -45,6 +47,21 @@ def lower_cuda(func, arch: str) -> str:
         return tilelang.lower(func, target=target).kernel_source
 
 
+def lowered_smem(func, arch: str, device: str | None = None) -> int:
+    """Dynamic shared memory bytes a `@T.prim_func`'s kernel, lowered for `arch` (run on `device`), launches with."""
+    import tilelang
+    from tvm.ir.transform import PassContext
+    from tvm.target import Target
+
+    from tkopt.kernels.arch import run_pass_configs, run_target
+
+    target = Target(run_target(arch, device)) if device else target_of(arch)
+    with target, PassContext(config=run_pass_configs(arch, device) if device else {}):
+        art = tilelang.lower(func, target=target)
+    (kernel,) = art.device_mod.functions.values()
+    return int(kernel.attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in kernel.attrs else 0
+
+
 @dataclass(frozen=True)
 class CudaBuild:
     arch: str
@@ -56,6 +73,11 @@ class CudaBuild:
     def registers(self) -> list[int]:
         """Registers per thread of each kernel, from the ptxas report."""
         return [int(x) for x in re.findall(r"Used (\d+) registers", self.log)]
+
+    @property
+    def static_smem(self) -> list[int]:
+        """Static shared memory (bytes) of each kernel, from the ptxas report."""
+        return [int(x) for x in re.findall(r"(\d+) bytes smem", self.log)]
 
     @property
     def spills(self) -> list[int]:

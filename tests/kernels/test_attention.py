@@ -91,6 +91,25 @@ def test_cpu_bshd_and_mixed_strides():
     assert tensors[1].data_ptr() == kb.data_ptr() and tensors[1].is_contiguous()  # a view, not a copy
 
 
+def test_cpu_mha_projection_heads_read_in_place():
+    """nn.MultiheadAttention's q / k / v: heads of (seq, batch, embed) projections, contiguous in neither given
+    layout, are read in place as SBHD (they were copied, three copies per call), in either given layout."""
+    torch.manual_seed(12)
+    b, h, sq, skv, d = 2, 4, 19, 23, 16
+    qp, kp, vp = _rand(sq, b, h * d), _rand(skv, b, 2 * d), _rand(skv, b, 2 * d)  # GQA: 2 kv heads
+    q = qp.view(sq, b, h, d).permute(1, 2, 0, 3)  # BHSD views, as the MHA graph makes them
+    k, v = (t.view(skv, b, 2, d).permute(1, 2, 0, 3) for t in (kp, vp))
+    layouts, views = A.kernel_layouts(q, k, v, "bhsd")
+    assert layouts == ("sbhd", "sbhd", "sbhd", "bhsd")
+    assert [t.data_ptr() for t in views] == [qp.data_ptr(), kp.data_ptr(), vp.data_ptr()]
+    for causal in (False, True):
+        assert _rel(flash_attention(q, k, v, causal=causal), _ref(q, k, v, causal=causal)) < 1e-5
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))  # the same tensors given as BSHD
+    assert A.kernel_layouts(qs, ks, vs, "bshd")[0] == ("sbhd", "sbhd", "sbhd", "bshd")
+    out = flash_attention(qs, ks, vs, layout="bshd")
+    assert out.is_contiguous() and _rel(out, _ref(qs, ks, vs, layout="bshd")) < 1e-5
+
+
 def test_cpu_noncontiguous_copied():
     torch.manual_seed(4)
     big = _rand(2, 3, 19, 64)
@@ -137,21 +156,32 @@ def _assert_same(out, ref, tol=1e-5):
 
 def test_cpu_mask_scale_and_finite_fills():
     """(S + M) * c (mask_scale), and a bool mask's finite fill: a row whose every key is masked weighs them
-    all equally (eager's softmax of equal finite values), finfo.min included (no overflow to -inf)."""
+    all equally (eager's softmax of equal finite values), finfo.min included (no overflow to -inf), and only
+    its real keys: not the padding of the partial last key block nor (causal) keys after the query, whatever
+    the mask says there (the masking is the GPU programs', so this catches their defect of that class)."""
     torch.manual_seed(8)
-    q, k, v = _qkv(2, 4, 2, 13, 29, 16)
-    m = torch.randn(2, 1, 13, 29) * 3
+    skv = A.CPU_BLOCK_N + 13  # two key blocks, the second partial
+    q, k, v = _qkv(2, 4, 2, 13, skv, 16)
+    m = torch.randn(2, 1, 13, skv) * 3
     _assert_same(flash_attention(q, k, v, mask=m, scale=0.3, mask_scale=0.3),
                  _ref(q, k, v, mask=m, scale=0.3, mask_scale=0.3))
-    keep = torch.rand(2, 1, 13, 29) > 0.5
-    keep[0, 0, 4] = False  # every key masked
+    # The first key block all -inf, the rest finite but far below 0: the second block's softmax shifts by its
+    # own max (not by 0, the stand-in for an all -inf max), or every weight underflows.
+    m[..., : A.CPU_BLOCK_N] = float("-inf")
+    m[..., A.CPU_BLOCK_N :] -= 1e3  # scores near -300: exp underflows to 0 in float32
+    out = flash_attention(q, k, v, mask=m, scale=0.3, mask_scale=0.3)
+    _assert_same(out, _ref(q, k, v, mask=m, scale=0.3, mask_scale=0.3), tol=1e-3)  # float32 ulp of 300: 3e-5
+    assert out.abs().amax() > 0.1
+    keep = torch.rand(2, 1, 13, skv) > 0.5
+    keep[0, 0, 4] = False  # every key masked, the last one too (padding keys read the last key's mask)
     for fill in (-1e4, float(torch.finfo(torch.float32).min)):
-        out = flash_attention(q, k, v, mask=keep, mask_fill=fill, causal=True)
-        _assert_same(out, _ref(q, k, v, mask=keep, mask_fill=fill, causal=True))
-        # masked_fill's mask: True masks (mask_keeps=False)
-        _assert_same(flash_attention(q, k, v, mask=~keep, mask_fill=fill, causal=True, mask_keeps=False), out)
-        uniform = v[0].repeat_interleave(2, 0)[:, :5].mean(1)  # causal row 4: keys 0..4, all masked
-        torch.testing.assert_close(out[0, :, 4], uniform, rtol=1e-5, atol=1e-5)
+        for causal, n_seen in ((True, 5), (False, skv)):  # row 4 sees keys 0..4 (causal) or all of them
+            out = flash_attention(q, k, v, mask=keep, mask_fill=fill, causal=causal)
+            _assert_same(out, _ref(q, k, v, mask=keep, mask_fill=fill, causal=causal))
+            # masked_fill's mask: True masks (mask_keeps=False)
+            _assert_same(flash_attention(q, k, v, mask=~keep, mask_fill=fill, causal=causal, mask_keeps=False), out)
+            uniform = v[0].repeat_interleave(2, 0)[:, :n_seen].mean(1)
+            torch.testing.assert_close(out[0, :, 4], uniform, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("guard", ["none", "masked", "nan"])
@@ -235,7 +265,8 @@ def test_bad_inputs_raise_clear_errors():
 # sm90 defaults to the pipelined schedule; one case keeps the plain one (each case is ~10-25 s here).
 # semantics: gpu_program's mask_scale / mask_fill / guard (a finite fill, a scaled mask, NaN rows).
 LOWER_CASES = {
-    "sm90-f16-d128-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bhsd",) * 4, None, (False,) * 4, {}),
+    "sm90-f16-d128-causal-gqa-sbhd": ("sm90", "float16", 128, 8, 2, True, ("sbhd", "sbhd", "sbhd", "bhsd"), None,
+                                      (False,) * 4, {}),
     "sm90-bf16-d64-boolmask-mixed": ("sm90", "bfloat16", 64, 4, 2, False, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
                                      (False, True, True, False), {}),
     "sm90-plain-bf16-d64-addmask-bshd": ("sm90", "bfloat16", 64, 4, 4, False, ("bshd",) * 4, "add",
@@ -447,6 +478,26 @@ def test_gpu_dynamic_lengths_share_one_kernel():
     assert A.compile_gpu.cache_info().misses == misses
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+def test_gpu_mha_projection_heads_read_in_place(variant):
+    """q / k / v as nn.MultiheadAttention makes them (heads of (seq, batch, embed) projections): read through
+    SBHD indexing (TMA descriptors with the batch-dependent seq stride on sm90), GQA, lengths off the tile."""
+    major, _ = torch.cuda.get_device_capability()
+    if variant == "sm90" and major != 9:
+        pytest.skip("sm90 variant needs a Hopper GPU")
+    torch.manual_seed(13)
+    b, h, hkv, sq, skv, d = 3, 8, 2, 200, 333, 64
+    dev = dict(dtype=torch.float16, device="cuda")
+    q = torch.randn(sq, b, h * d, **dev).view(sq, b, h, d).permute(1, 2, 0, 3)
+    k, v = (torch.randn(skv, b, hkv * d, **dev).view(skv, b, hkv, d).permute(1, 2, 0, 3) for _ in range(2))
+    assert A.kernel_layouts(q, k, v, "bhsd")[0] == ("sbhd", "sbhd", "sbhd", "bhsd")
+    for causal in (False, True):
+        out = flash_attention(q, k, v, causal=causal, arch=variant)
+        torch.cuda.synchronize()
+        assert _rel(out, flash_attention_ref(q.float(), k.float(), v.float(), causal=causal)) < 1e-2
+
+
 # (mask kind, mask_scale, mask_fill, guard, causal, mask_keeps): what FusedAttention reproduces from graphs
 GPU_SEMANTICS = {
     "finite-fill-rows": ("bool", 1.0, -1e4, "masked", True, True),
@@ -454,6 +505,7 @@ GPU_SEMANTICS = {
     "scaled-mask": ("add", 0.125, float("-inf"), "masked", False, True),
     "nan-rows": ("bool", 1.0, float("-inf"), "none", False, True),
     "nan-guard-masked-fill": ("bool", 1.0, float("-inf"), "nan", True, False),
+    "late-keys": ("add-late", 1.0, float("-inf"), "masked", False, True),
 }
 
 
@@ -461,17 +513,21 @@ GPU_SEMANTICS = {
 @pytest.mark.parametrize("case", list(GPU_SEMANTICS))
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 def test_gpu_semantics_match_reference(variant, case):
-    """Finite fills (a fully masked row weighs its keys equally), a scaled additive mask, NaN rows under plain
-    softmax and the NaN guard, masked_fill's mask (True masks), on both archs (fp16, D=64, lengths not
-    multiples of a tile)."""
+    """Finite fills (a fully masked row weighs its own keys equally: not the padding of the partial last key
+    block, not keys after the query), a scaled additive mask, NaN rows under plain softmax and the NaN guard,
+    masked_fill's mask (True masks), finite keys after all -inf blocks (shifted by their own max), on both
+    archs (fp16, D=64, lengths not multiples of a tile)."""
     major, _ = torch.cuda.get_device_capability()
     if variant == "sm90" and major != 9:
         pytest.skip("sm90 variant needs a Hopper GPU")
     kind, mask_scale, fill, guard, causal, keeps = GPU_SEMANTICS[case]
     torch.manual_seed(11)
     q, k, v = _qkv(2, 4, 2, 150, 211, 64, dtype=torch.float16, device="cuda")
-    if kind == "add":
+    if kind.startswith("add"):
         mask = torch.randn(2, 1, 150, 211, device="cuda") * 4
+        if kind == "add-late":  # the first key blocks all -inf, later keys finite but far below 0
+            mask[..., :160] = float("-inf")
+            mask[..., 160:] -= 1e4
     else:
         mask = torch.rand(2, 1, 150, 211, device="cuda") > 0.4
         mask[0, 0, 7] = False  # every key of row 7 masked

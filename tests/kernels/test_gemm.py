@@ -4,10 +4,11 @@ import fcntl
 import hashlib
 import os
 import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
-from conftest import cuda_compile, lower_cuda
+from conftest import cuda_compile, lower_cuda, lowered_smem
 
 from tkopt.kernels import config as config_module
 from tkopt.kernels.arch import UnsupportedError
@@ -155,7 +156,7 @@ def test_errors(call, exc, msg):
     "cfg,arch,dtype,msg",
     [
         (TileConfig((256, 256, 64), stages=4, threads=256), "sm90", "float16", "the sm90 limit is 227 KB"),
-        (TileConfig((128, 256, 64), stages=3, threads=256), "sm80", "float16", "the sm80 limit is 163 KB"),
+        (TileConfig((128, 256, 64), stages=4, threads=256), "sm80", "float16", "the sm80 limit is 163 KB"),
         (TileConfig((128, 128, 64), threads=192), "sm90", "float16", "not a multiple of 128"),
         (TileConfig((96, 128, 64), threads=128), "sm90", "float16", "wgmma M (64)"),
         (TileConfig((128, 128, 40), threads=128), "sm90", "float16", "not a multiple of the MMA K (16"),
@@ -184,7 +185,7 @@ def test_config_validate_rejects_with_a_valid_neighbour(cfg, arch, dtype, msg):
     assert text.startswith(cfg.describe()), text
     # The suggestion is a constructor call of a config that validates, one or two fields away.
     near = eval(text.split("Nearest valid: ")[1], {"TileConfig": TileConfig})
-    assert near.validate(arch, dtype) is near
+    assert near.validate(arch, dtype) == near.with_stages(arch, dtype)
     fields = ("block_tile", "warp_tile", "stages", "threads", "stage_c")
     changed = [f for f in fields if getattr(near, f) != getattr(cfg, f)]
     assert 1 <= len(changed) <= 2, (cfg, near)
@@ -261,6 +262,60 @@ def test_config_valid_defaults_and_roundtrip(fp32_full, monkeypatch):
 def test_gemm_custom_rejects_before_compiling():
     with pytest.raises(UnsupportedError, match="limit"):
         gemm_program("sm90", 1024, 1024, "float16", TileConfig((256, 256, 128), stages=4, threads=256))
+
+
+# (arch, dtype, precision, config, gated, b_transposed, device): one per math kind, arch and layout that
+# changes what TileLang allocates; device "sm_90": the sm80 program as it is built to run on the H200.
+SMEM_CASES = [
+    pytest.param("sm90", "float16", "ieee", TileConfig((128, 128, 64), stages=3, threads=256), False, True, None,
+                 id="sm90-mma-fp16"),
+    pytest.param("sm90", "bfloat16", "ieee", TileConfig((64, 64, 16), stages=1), False, False, None,
+                 id="sm90-mma-bf16-c-staging-largest"),
+    pytest.param("sm90", "float32", "tf32", TileConfig((64, 128, 32), stages=4, stage_c=False), False, True, None,
+                 id="sm90-tf32"),
+    pytest.param("sm90", "float32", "ieee",
+                 TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True), False, False,
+                 None, id="sm90-tf32x3-quick-start"),
+    pytest.param("sm90", "bfloat16", "ieee", TileConfig((64, 128, 32), threads=256, use_tensorcore=False), True, True,
+                 None, id="sm90-simt-bf16-gated"),
+    pytest.param("sm80", "float16", "ieee", TileConfig((128, 64, 32), stages=3), True, False, None,
+                 id="sm80-mma-fp16-gated"),
+    pytest.param("sm80", "float32", "tf32", TileConfig((128, 64, 32), threads=128), False, True, None,
+                 id="sm80-tf32"),
+    pytest.param("sm80", "float32", "ieee", TileConfig((128, 128, 16), threads=256, use_tensorcore=False), False,
+                 True, None, id="sm80-simt-fp32"),
+    # sm80's tf32x3 keeps one copy of the split tiles (lowering it takes TileLang about a minute)
+    pytest.param("sm80", "float32", "ieee", TileConfig((64, 64, 16), stages=2), False, False, "sm_90",
+                 id="sm80-on-h200-tf32x3", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("arch,dtype,precision,cfg,gated,bt,device", SMEM_CASES)
+def test_smem_estimate_is_what_the_lowered_kernel_allocates(arch, dtype, precision, cfg, gated, bt, device):
+    """TileConfig.smem_bytes, which validate checks against the arch's limit, equals the dynamic shared memory
+    of the lowered kernel (the launch asks for exactly that: 294912 bytes failed on the H200 when the estimate
+    said 224 KB); an unset `stages` is the most that fit. (test_nvcc_compiles checks the static part.)"""
+    acc = 2 if gated else 1
+    staged = cfg.validate(arch, dtype, acc, precision)
+    dynamic = lowered_smem(gemm_program(arch, 256, 256, dtype, cfg, b_transposed=bt, gated=gated,
+                                        precision=precision), arch, device)
+    assert staged.smem_bytes(arch, dtype, acc, precision) == dynamic
+    if cfg.stages is None:
+        deeper = replace(staged, stages=staged.stages + 1)
+        assert staged.stages == config_module.MAX_STAGES or deeper.problem(arch, dtype, acc, precision), deeper
+
+
+def test_unset_stages_get_the_most_that_fit_and_pinned_ones_are_checked():
+    qs = TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True)  # README quick start
+    assert qs.validate("sm90", "float32").stages == 2  # 3 stages of A, B and their tf32 splits: 288 KB
+    assert qs.validate("sm90", "float32", precision="tf32").stages == 4
+    with pytest.raises(UnsupportedError, match=r"needs 289 KB .*227 KB. Nearest valid: .*stages=2"):
+        replace(qs, stages=3).validate("sm90", "float32")
+    assert qs.describe() == "TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16))"
+    assert kernel_key("sm90", 64, 64, "float32", qs) == kernel_key("sm90", 64, 64, "float32", replace(qs, stages=2))
+    huge = TileConfig((256, 128, 256), threads=256)  # no stage count fits: said at one stage
+    with pytest.raises(UnsupportedError, match=r"needs 193 KB of shared memory \(1 stage\(s\)\); the sm80 limit"):
+        huge.validate("sm80", "float16")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -434,6 +489,7 @@ def test_nvcc_compiles(name, nvcc_builds):
     assert os.path.getsize(build.cubin) > 0
     assert build.registers and max(build.registers) <= 255
     assert not any(build.spills), f"register spills: {build.spills}"
+    assert max(build.static_smem, default=0) <= config_module.STATIC_SMEM  # what validate keeps free
     nvcc_builds[name] = build
 
 
@@ -509,7 +565,7 @@ SIMT_GPU_CASES = [
      TileConfig((64, 128, 32), threads=256, use_tensorcore=False)),
 ]
 FP32_ACCURACY_CONFIGS = {  # fp32 kernels at "highest", measured against cuBLAS at M=N=K=1024
-    "tf32x3": lambda arch: TileConfig((128, 128, 32), stages=2, threads=256),
+    "tf32x3": lambda arch: TileConfig((128, 128, 32), threads=256),  # stages: the most that fit on the arch
     "simt": lambda arch: TileConfig((128, 128, 16), threads=256, use_tensorcore=False),
 }
 

@@ -6,8 +6,9 @@ torch.export, and is fused there: before AOTAutograd differentiates it. The fuse
 custom ops with an autograd formula (their reference, recomputed from their saved inputs), so in
 training AOTAutograd saves the fused ops' inputs and the backward recomputes what it needs: no
 fusion is refused because backward needs an intermediate. Under no_grad the same fused graph is
-AOTAutograd's inference graph. Registered through the `torch_dynamo_backends` entry point in
-pyproject.toml.
+AOTAutograd's inference graph. Dynamo finds the name "tkopt" through the `torch_dynamo_backends` entry
+point in pyproject.toml where tkopt is installed, and through tkopt.backends.registration wherever it is
+imported (`import tkopt` is enough).
 
 The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on
 real stand-ins for Dynamo's fake example inputs); where the optimized graph measures slower as a whole

@@ -68,11 +68,11 @@ class Target(ABC):
         return []
 
     def whole_key(self, graph: Graph, artifact: Any) -> Any:
-        """The JSON-able key of a whole-graph comparison."""
+        """The JSON-able key of a whole-graph comparison (`artifact` None: of the alternatives alone)."""
         raise NotImplementedError
 
     def compare_whole(self, graph: Graph, artifact: Any) -> dict[str, Timing]:
-        """"tkopt" (the artifact) and each alternative, timed on the example inputs."""
+        """"tkopt" (the artifact; left out where it is None) and each alternative, timed on the example inputs."""
         raise NotImplementedError
 
     def alternative(self, name: str) -> Any:

@@ -3,8 +3,10 @@
 "torch-cpu": a fused node is timed against its replaced fx nodes run eagerly (ATen), and the final
 module against the user's eager module. "torch-cuda": both sides of a node are timed as CUDA-graph
 replays, the replaced nodes compiled by inductor (cuBLAS for GEMMs) when the entry point uses inductor;
-the final module against eager and inductor with CUDA graphs. Nodes are measured on their real inputs:
-the original graph runs once on the example inputs (torch.fx.Interpreter) to capture them.
+the final module against the entry point's alternatives (tkopt.compile: the user's module eager and
+under torch.compile, default and reduce-overhead). Nodes are measured on their real inputs: the original
+graph runs once on the example inputs (torch.fx.Interpreter) to capture them. The whole graph is timed
+through the same call path the user's calls take, alternating with the alternatives (measure.race).
 """
 
 from __future__ import annotations
@@ -24,12 +26,10 @@ from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import run_kernel, schema, use_kernels
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels.tuning import shape_bucket
-from tkopt.measure import Timer, Timing, compare
+from tkopt.measure import Timer, Timing, compare, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64, "bool": torch.bool, "int64": torch.int64, "int32": torch.int32}
+from .kernel_builds import DTYPES, input_specs, prebuild, probe_inputs, record_built
 
 
 def first_device(values: Sequence[Any]) -> torch.device:
@@ -59,7 +59,10 @@ class TorchTarget(Target):
 
     `args`/`kwargs`: real example inputs, as the emitted module is called. `wrap(gm)` is how the entry
     point will run an emitted module (e.g. inductor for the unfused rest). `alternatives` maps a name to
-    a factory of the plain callable the user already has (built only when timed or chosen).
+    a factory of the plain callable the user already has (built only when timed or chosen). The whole
+    graph is timed as the user will call it: `as_user(runner(gm))` is the entry point's call path around
+    its runner (default: the runner), and `call(fn)` calls such a callable, or an alternative, once as
+    the user does (default: `fn(*args, **kwargs)`).
     `cuda_graphs`: the entry point replays CUDA calls as CUDA graphs. `inductor`: on CUDA, time what a
     node replaces compiled by inductor, as the entry point will run it.
     """
@@ -67,7 +70,9 @@ class TorchTarget(Target):
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
                  wrap: Callable[[fx.GraphModule], Callable[..., Any]] | None = None,
                  alternatives: Mapping[str, Callable[[], Callable[..., Any]]] | None = None,
-                 cuda_graphs: bool = True, inductor: bool = False) -> None:
+                 cuda_graphs: bool = True, inductor: bool = False,
+                 as_user: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+                 call: Callable[[Callable[..., Any]], Any] | None = None, build_workers: int | None = None) -> None:
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
         self.flat = pytree.tree_leaves((self.args, self.kwargs))
         self.device = first_device(self.flat)
@@ -79,7 +84,9 @@ class TorchTarget(Target):
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.inductor = inductor and self.device.type == "cuda"
         self.node_timer = Timer(self.device, runs=20, warmup=1, max_seconds=1.0)
-        self.whole_timer = Timer(self.device, runs=20, warmup=2, max_seconds=3.0)
+        self.build_workers = build_workers  # worker interpreters building kernels (None: one per core but one)
+        self.as_user = as_user or (lambda run: run)
+        self.call = call or (lambda fn: fn(*self.args, **self.kwargs))
 
     @property
     def where(self) -> str:
@@ -105,14 +112,18 @@ class TorchTarget(Target):
     # ---- kernels ----------------------------------------------------------------------------------
     def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
         """Compile and run each distinct kernel once on small random inputs; nodes with the same signature
-        share one probe (and one compiled kernel: the kernels cache them by compile-time key). One at a
-        time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
+        share one probe (and one compiled kernel: the kernels cache them by compile-time key). The kernels
+        are built in parallel workers first (kernel_builds.prebuild); the probes here then load them, one
+        at a time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
         if not use_kernels():
             return {}
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
+        reps = [group[0] for group in groups.values()]
+        prebuild(reps, self.device, self.fingerprint(), self.build_workers)
         reasons = {k: self._probe(group[0]) for k, group in groups.items()}
+        record_built([n for n in reps if reasons[repr(_probe_key(n))] is None], self.device, self.fingerprint())
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
 
     def _probe(self, node: Node) -> str | None:
@@ -120,7 +131,7 @@ class TorchTarget(Target):
 
         with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
             try:
-                run_kernel(node.op, _random_inputs(node, self.device), node.attrs)
+                run_kernel(node.op, probe_inputs(input_specs(node), self.device), node.attrs)
             except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
                 return f"{type(e).__name__}: {e}"
         return None
@@ -172,23 +183,18 @@ class TorchTarget(Target):
             self.built[name] = self.factories[name]()
         return self.built[name]
 
-    def whole_key(self, graph: Graph, artifact: fx.GraphModule) -> Any:
+    def whole_key(self, graph: Graph, artifact: fx.GraphModule | None) -> Any:
         inputs = [[str(x.dtype), list(x.shape)] if isinstance(x, torch.Tensor) else repr(x) for x in self.flat]
-        return ["whole", artifact.code, inputs, sorted(self.factories)]
+        return ["whole", None if artifact is None else artifact.code, inputs, sorted(self.factories)]
 
-    def compare_whole(self, graph: Graph, artifact: fx.GraphModule) -> dict[str, Timing]:
+    def compare_whole(self, graph: Graph, artifact: fx.GraphModule | None) -> dict[str, Timing]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        run = self.runner(artifact)
-        out: dict[str, Timing] = {}
+        variants = {} if artifact is None else {"tkopt": self.as_user(self.runner(artifact))}
         with unset_fake_temporarily(), torch.no_grad():
-            for name in ["tkopt", *self.factories]:
-                fn = run if name == "tkopt" else self.alternative(name)
-                call = lambda fn=fn: fn(*self.args, **self.kwargs)  # noqa: E731
-                call()  # compiles (inductor), outside the timing and the capture
-                out[name] = self.whole_timer(replayed(call, self.device) if name == "tkopt" and self.cuda_graphs
-                                             else call)
-        return out
+            variants.update((name, self.alternative(name)) for name in self.factories)
+            calls = {name: (lambda fn=fn: self.call(fn)) for name, fn in variants.items()}
+            return race(calls, self.device)  # its warm-up calls compile (inductor) and capture (CUDA graphs)
 
 
 def input_tensor(v: Value, values: Mapping[fx.Node, Any], device: torch.device) -> torch.Tensor:
@@ -228,32 +234,6 @@ def _probe_key(n: Node) -> tuple:
     ins = tuple(None if v is None else (v.dtype, tuple(d if isinstance(d, int) else "?" for d in v.shape or ()))
                 for v in n.inputs)
     return n.op, tuple(sorted((k, repr(v)) for k, v in n.attrs.items())), ins
-
-
-def _random_inputs(node: Node, device: torch.device) -> list[torch.Tensor | None]:
-    """Small random tensors for a node's inputs: its dtypes and static dims, symbolic dims small (the same
-    symbol, the same size). Only dtypes and static dims matter to the kernels' compile-time keys, so the
-    kernel a probe builds is the one every call will use."""
-    sizes: dict[str, int] = {}
-    gen = torch.Generator().manual_seed(0)
-    tensors: list[torch.Tensor | None] = []
-    for v in node.inputs:
-        if v is None:
-            tensors.append(None)
-            continue
-        dtype = DTYPES.get(v.dtype or "")
-        if dtype is None:
-            raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
-        if v.shape is None:
-            raise ValueError(f"input {v.name} has unknown rank")
-        shape = []
-        for d in v.shape:
-            if d is None:
-                raise ValueError(f"input {v.name} has a dim of unknown size")
-            shape.append(d if isinstance(d, int) else sizes.setdefault(str(d), 3 + len(sizes)))
-        t = torch.rand(shape, generator=gen) > 0.1 if dtype == torch.bool else torch.randn(shape, generator=gen)
-        tensors.append(t.to(dtype).to(device))
-    return tensors
 
 
 class _Capture(fx.Interpreter):

@@ -1,0 +1,41 @@
+"""Kernels built in parallel worker interpreters reach this process through TileLang's disk cache, and kernels
+built here before start no workers."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tkopt.frontends.fx import import_fx
+from tkopt.models.blocks import REFERENCE_MODELS
+from tkopt.passes.pipeline import run_passes
+from tkopt.targets.kernel_builds import input_specs, prebuild, record_built
+
+
+def _files(path) -> list:
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+@pytest.mark.slow  # two fresh interpreters import torch and TileLang: 15-20 s on 2 idle cores
+def test_workers_build_distinct_kernels_once_into_tilelangs_disk_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path / "tkopt"))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))  # the workers inherit it
+    model, inputs = REFERENCE_MODELS["mlp"]()
+    graph = import_fx(torch.export.export(model, inputs))
+    run_passes(graph, ())
+    fused = [n for n in graph.nodes if n.is_fused]
+    distinct = list({repr((n.op, sorted(n.attrs.items()), input_specs(n))): n for n in fused}.values())[:2]
+    assert len(distinct) == 2, [n.op for n in fused]
+    cpu, fingerprint = torch.device("cpu"), {"device": "this test"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed worker warns
+        prebuild(distinct, cpu, fingerprint, workers=2)
+    assert _files(tmp_path / "tilelang"), "the workers built nothing"
+
+    record_built(distinct, cpu, fingerprint)  # as the probes do once they pass
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "again"))
+    prebuild(distinct, cpu, fingerprint, workers=2)
+    assert not (tmp_path / "again").exists() or not _files(tmp_path / "again"), "workers started for built kernels"
