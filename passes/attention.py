@@ -23,7 +23,9 @@ per-head tensors are rewritten onto the fused node's inputs/output, and a K that
 (B,S,H,D) next to BHSD Q/V/output gets a Transpose (the torch backend re-emits original nodes only,
 so FX graphs never get new nodes).
 
-Anything that only looks like attention is refused with the reason (see the tests for each).
+Anything that only looks like attention is refused with the reason (see the tests for each), and so is a
+Softmax neither pattern reaches that sits between two matmuls (`_near_miss`: logit soft-capping, ALiBi
+inside baddbmm, an op the chains do not follow).
 """
 
 from __future__ import annotations
