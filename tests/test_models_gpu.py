@@ -4,6 +4,7 @@ GPU attention kernels take)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -35,16 +36,27 @@ def test_backend_encoder_layer_on_gpu(training: bool) -> None:
     with torch.set_grad_enabled(training):
         got, want = fast(x), model(x)
     assert _rel(got, want) < 1e-2
+    if not backend.graph_modules:
+        with torch.set_grad_enabled(training):
+            explained = torch._dynamo.explain(model)(x)
+        pytest.fail(f"Dynamo never called the backend: {explained.graph_count} graphs, breaks "
+                    f"{[str(b.reason) for b in explained.break_reasons]}")
     fusions = backend.graph_modules[-1].tkopt_report.fusions
     assert fusions["attention"] == 1 and fusions["add_norm"] == 2
     if training:
+        # fp16 gradients are judged against the same layer in fp32: tkopt's may be as far off as eager's, not more.
+        exact = copy.deepcopy(model).float()
         r = torch.randn_like(want)
-        grads = []
-        for out in (got, want):
-            model.zero_grad()
-            (out.float() * r.float()).sum().backward(retain_graph=True)
-            grads.append(torch.cat([p.grad.float().reshape(-1) for p in model.parameters()]))
-        assert _rel(grads[0], grads[1]) < 2e-2
+        g_tk, g_eager, g_exact = (
+            _grads(m, out, r) for m, out in ((model, got), (model, want), (exact, exact(x.float())))
+        )
+        assert _rel(g_tk, g_exact) <= max(2 * _rel(g_eager, g_exact), 1e-3)
+
+
+def _grads(model: nn.Module, out: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    (out.float() * r.float()).sum().backward(retain_graph=True)
+    return torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
 
 
 def test_compiled_decoder_decodes_on_gpu() -> None:
@@ -68,4 +80,4 @@ def test_compiled_decoder_decodes_on_gpu() -> None:
             outs.append((torch.cat(tokens, 1), out.logits))
     assert torch.equal(outs[0][0], outs[1][0])
     assert _rel(outs[1][1], outs[0][1]) < 1e-3
-    assert fast.tkopt_report.fusions["attention"] == 2
+    assert fast.tkopt_report.fusions["attention"] == 2, str(fast.tkopt_report)
