@@ -46,6 +46,9 @@ TINY = {
     "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 128, "ffn_dim": 128,
     "word_embed_proj_dim": 64, "max_position_embeddings": 128, "rotary_dim": 8,
+    # encoder-decoder families (BART, Marian, Whisper) size each side apart; num_hidden_layers maps to one
+    "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
     "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
 }
 

@@ -23,7 +23,9 @@ per-head tensors are rewritten onto the fused node's inputs/output, and a K that
 (B,S,H,D) next to BHSD Q/V/output gets a Transpose (the torch backend re-emits original nodes only,
 so FX graphs never get new nodes).
 
-Anything that only looks like attention is refused with the reason (see the tests for each).
+Anything that only looks like attention is refused with the reason (see the tests for each), and so is a
+Softmax neither pattern reaches that sits between two matmuls (`_near_miss`: logit soft-capping, ALiBi
+inside baddbmm, an op the chains do not follow).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from tkopt.fused_ops import FLOAT_DTYPES
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .masks import MaskAnalysis, aligned, prove_causal
+from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal
 from .patterns import norm_axes, norm_axis
 from .pipeline import register
 from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, same
@@ -51,7 +53,7 @@ CHAIN_OPS = ("Cast", "Identity", "Add", "Mul", "Div", "Where", "aten::masked_fil
 
 
 class _Miss(Exception):
-    """Not an attention at all: skip silently."""
+    """Not matched by the patterns: skipped silently unless `_near_miss` shows it is an attention."""
 
 
 class _Refuse(Exception):
@@ -584,7 +586,8 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
             "FusedAttention takes one"
         )
     for t, fill in causal:
-        if math.isfinite(fill) and len(terms) > 1:  # type: ignore[arg-type]
+        others = [e for e in terms if e is not t]
+        if math.isfinite(fill) and others and not all(_negligible(view, e, fill) for e in others):  # type: ignore[arg-type]
             raise _Refuse(
                 f"causal mask {t.value.name} fills with the finite {fill:g} beside another mask: a row whose "
                 "earlier keys are all masked would differ (only a -inf causal fill combines)"
@@ -600,6 +603,16 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
         out.mask, out.mask_scale, out.mask_fill = _mask_input(view, explicit[0], shape)
         out.mask_keeps = int(explicit[0].kind != "drop")
     return out
+
+
+def _negligible(view: _View, t: _Term, fill: float) -> bool:
+    """Whether additive term `t` is provably a bias, never a mask, beside a finite causal fill: its magnitude
+    is below |fill| / 2**20 for every admitted size (ALiBi's slopes times positions), so no row loses all its
+    keys to it and the dropped keys' weights still underflow to exactly 0 (docs/LEGALITY.md)."""
+    if t.kind != "add":
+        return False
+    bound = magnitude_bound(view.masks, t.value)
+    return bound is not None and bound * abs(t.mult) <= abs(fill) / 2**20
 
 
 def _mask_input(view: _View, t: _Term, shape: Shape | None) -> tuple[Value, float, float]:
@@ -955,6 +968,72 @@ def _match_sdpa(view: _View, n: Node) -> _Match:
     )
 
 
+# ---- near misses the patterns do not reach ---------------------------------------------------------
+# What computes Q·K^T or ·V in some frontend's spelling; MatMul is the one the patterns take.
+MATMUL_LIKE = ("MatMul", "Gemm", "Einsum", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum")
+# What the patterns follow between the two matmuls (the scores chain, the probabilities chain, bmm form).
+FOLLOWED = (*CHAIN_OPS, *PASS_THROUGH, "aten::masked_fill", "Reshape", "Expand", "Dropout", "aten::dropout",
+            "IsNaN", "Not", "Equal", "aten::any", "aten::full_like")
+NEAR = 6  # how many ops apart the matmuls may sit from the softmax
+
+
+def _path_to_matmul(view: _View, v: Value, backward: bool) -> list[Node] | None:
+    """The shortest chain of nodes from `v` to a matmul-like node (last), walking producers (`backward`) or
+    users, at most NEAR nodes long; None if there is none."""
+    frontier: list[tuple[Value, list[Node]]] = [(v, [])]
+    seen: set[int] = set()
+    for _ in range(NEAR):
+        nxt: list[tuple[Value, list[Node]]] = []
+        for x, path in frontier:
+            nodes = [view.producer(x)] if backward else view.users(x)
+            for n in nodes:
+                if n is None or id(n) in seen:
+                    continue
+                seen.add(id(n))
+                if n.op in MATMUL_LIKE:
+                    return [*path, n]
+                ins = n.inputs if backward else n.outputs
+                nxt += [(i, [*path, n]) for i in ins if i is not None]
+        frontier = nxt
+    return None
+
+
+def _near_miss(view: _View, sm: Node) -> str | None:
+    """Why a Softmax the patterns skipped is nonetheless an attention: over the last axis of 3-D or higher
+    scores, a matmul near on both sides. None when it is not one (a classifier head, a router)."""
+    rank = sm.inputs[0].rank if sm.inputs[0] is not None else None
+    if rank is None or rank < 3 or norm_axis(int(sm.attrs.get("axis", -1)), rank) != rank - 1:
+        return None
+    back, fwd = _path_to_matmul(view, sm.inputs[0], True), _path_to_matmul(view, sm.outputs[0], False)
+    if back is None or fwd is None:
+        return None
+    for path, where in ((back, "between Q·K^T and softmax"), (fwd, "between softmax and ·V")):
+        odd = next((n for n in path[:-1] if n.op not in FOLLOWED), None)
+        if odd is not None and odd.op == "Tanh":
+            return (f"attention logit soft-capping (Tanh {odd.name} {where}: tanh(scores / cap) * cap): "
+                    "FusedAttention applies no function to the scores")
+        if odd is not None:
+            return f"{odd.op} {odd.name} {where}: the attention patterns do not take it"
+    for path, what in ((back, "Q·K^T"), (fwd, "·V")):
+        mm = path[-1]
+        if mm.op == "aten::baddbmm":
+            return (f"{what} is aten::baddbmm {mm.name}, a batched matmul with a bias added inside it (ALiBi's "
+                    "position bias): the attention patterns take a MatMul with the bias added to its result")
+        if mm.op != "MatMul":
+            return f"{what} is {mm.op} {mm.name}: the attention patterns take a MatMul"
+    if rank != 4:
+        return f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)"
+    mm = back[-1]
+    if mm.inputs[0] is not None and mm.inputs[0].rank == 3:  # the bmm form: each operand a flattened 4-D tensor
+        odd = [v for v in mm.inputs if v is not None and _unflatten(view, v, mm) is None]
+        if odd:
+            made = ", ".join(f"{v.name} (from {p.op if (p := view.producer(v)) else 'outside'})" for v in odd)
+            return (f"Q·K^T is the 3-D MatMul {mm.name} whose operands {made} are not 4-D Q / K^T flattened by a "
+                    "Reshape (e.g. a scale applied after flattening)")
+    ops = ", ".join(f"{n.op} {n.name}" for n in back)
+    return f"Q·K^T reaches softmax through {ops}, a form the attention patterns do not take"
+
+
 @register("attention", fusion=True)
 def fuse_attention(graph: Graph, result: PassResult) -> None:
     """Fuse every decomposed or canonical scaled-dot-product attention into FusedAttention."""
@@ -969,6 +1048,8 @@ def fuse_attention(graph: Graph, result: PassResult) -> None:
             m = _match_softmax(view, anchor) if anchor.op == "Softmax" else _match_sdpa(view, anchor)
             _fuse_match(view, m, result, anchor)
         except _Miss:
-            continue
+            reason = _near_miss(view, anchor) if anchor.op == "Softmax" else None
+            if reason is not None:
+                result.refuse(anchor, reason)
         except _Refuse as e:
             result.refuse(anchor, str(e))

@@ -1,12 +1,17 @@
-"""Canonicalization: fold constant (mostly shape) subgraphs and drop no-op nodes.
+"""Canonicalization: fold constant (mostly shape) subgraphs, drop no-op nodes, merge duplicates.
 
 Exporters spell shape arithmetic as Shape/Gather/Concat/Unsqueeze chains and leave Identity and
 no-op Casts around; folding and dropping them lets the fusion patterns see the real dataflow
 (a Reshape reading a constant shape, a Mul reading the constant 0.5). A folded node is removed and
 its output Value gets `const` (no producer any more): backends emit it as an initializer/constant.
+Models also write one expression twice (Cohere's norm computes `x - mean` for the variance and again
+for the output); merging identical pure nodes gives the patterns the one dataflow they are written for.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -101,5 +106,59 @@ def drop_identity(graph: Graph, result: PassResult) -> None:
             continue
         graph.replace_uses(node.outputs[0], node.inputs[0], skip=[node])
         dropped.append(node)
+    graph.remove_nodes(dropped)
+    result.changed += len(dropped)
+
+
+# Canonical ops that draw random numbers: two of them on the same inputs give different results.
+RANDOM_OPS = ("Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+              "Bernoulli")
+
+
+def _frozen(x: Any) -> Hashable:
+    """An attribute value as a hashable key (arrays by dtype, shape and bytes); TypeError if it has none."""
+    if isinstance(x, np.ndarray):
+        return ("ndarray", x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, list | tuple):
+        return (type(x).__name__, *map(_frozen, x))
+    if isinstance(x, dict):
+        return ("dict", *sorted((k, _frozen(v)) for k, v in x.items()))
+    hash(x)
+    return (type(x).__name__, x)
+
+
+def _key(node: Node) -> Hashable | None:
+    """What makes two nodes compute the same values: op, attributes, the very input Values, output dtypes.
+    None for a node that must stay itself: unmapped ("aten::..." may mutate or draw random numbers; a
+    custom domain's semantics are unknown), random, input-less (constants: folding's business)."""
+    if node.domain or "::" in node.op or node.op in RANDOM_OPS or not node.inputs or not node.outputs:
+        return None
+    try:
+        attrs = _frozen(node.attrs)
+    except TypeError:
+        return None
+    ins = tuple(None if v is None else id(v) for v in node.inputs)
+    return node.op, attrs, ins, tuple(v.dtype for v in node.outputs)
+
+
+@register("merge_duplicates")
+def merge_duplicates(graph: Graph, result: PassResult) -> None:
+    """Common subexpressions: a pure node computing what an earlier one does from the same inputs is
+    removed and its readers read the earlier node's outputs. A node producing a graph output stays, so
+    the graph's interface keeps its names."""
+    outputs = {id(v) for v in graph.outputs}
+    subst: dict[int, Value] = {}
+    first: dict[Hashable, Node] = {}
+    dropped: list[Node] = []
+    for node in graph.nodes:
+        if subst:
+            node.inputs = [None if v is None else subst.get(id(v), v) for v in node.inputs]
+        key = _key(node)
+        if key is None or any(id(v) in outputs for v in node.outputs):
+            continue
+        kept = first.setdefault(key, node)
+        if kept is not node:
+            subst.update((id(b), a) for a, b in zip(kept.outputs, node.outputs, strict=True))
+            dropped.append(node)
     graph.remove_nodes(dropped)
     result.changed += len(dropped)

@@ -186,6 +186,45 @@ def _projection(ix: ShapedIndex, value: Value | None) -> Base | None:
     return None
 
 
+def _halves(ix: ShapedIndex, gate: Value | None, up: Value | None) -> Node | None:
+    """The node splitting one value into `gate` (first half) and `up` (second) along the last axis:
+    chunk(2, -1), or a Split into two outputs of equal (or unstated, hence equal) sizes; each half read once."""
+    node = ix.producer(gate)
+    if node is None or len(node.outputs) != 2 or node.outputs[0] is not gate or node.outputs[1] is not up:
+        return None
+    x = node.inputs[0]
+    if x is None or x.rank is None or not ix.single_use(gate) or not ix.single_use(up):
+        return None
+    if node.op == "aten::chunk":
+        ok = node.attr("chunks") == 2 and node.attr("dim", 0) in (-1, x.rank - 1)
+    elif node.op == "Split":
+        sizes = node.attr("split")
+        ok = node.attr("axis", 0) in (-1, x.rank - 1) and (sizes is None or (len(sizes) == 2 and sizes[0] == sizes[1]))
+    else:
+        ok = False
+    return node if ok else None
+
+
+def _packed(ix: ShapedIndex, mul: Node, result: PassResult) -> tuple[Base, Node, Node, str] | None:
+    """mul = act(h[..., :N]) * h[..., N:] with h = x @ [Wg | Wu] (+ b): a packed gate/up projection."""
+    for g, u in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        act = ix.producer(g)
+        name = activation_name(act) if act is not None else None
+        if name is None or g is None or not ix.single_use(g):
+            continue
+        split = _halves(ix, act.inputs[0], u)
+        proj = split and _projection(ix, split.inputs[0])
+        if proj is None:
+            continue
+        n = proj.n
+        if not isinstance(n, int) or n % 2:
+            result.refuse(mul, f"gated MLP not fused: the packed gate/up weight {proj.b.name} has N={n}, not a "
+                          "static even size that halves into equal gate and up weights")
+            return None
+        return proj, split, act, name
+    return None
+
+
 def _gated(ix: ShapedIndex, mul: Node, result: PassResult) -> tuple[Base, Base, Node, str] | None:
     """mul = act(x @ Wg + bg) * (x @ Wu + bu) in either operand order."""
     for g, u in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
@@ -210,19 +249,27 @@ def _gated(ix: ShapedIndex, mul: Node, result: PassResult) -> tuple[Base, Base, 
 
 @register("gated_mlp", fusion=True)
 def gated_mlp(graph: Graph, result: PassResult) -> None:
-    """act(x @ Wg [+ bg]) * (x @ Wu [+ bu]) -> FusedGatedMLP (SwiGLU with silu, GeGLU with gelu)."""
+    """act(x @ Wg [+ bg]) * (x @ Wu [+ bu]) -> FusedGatedMLP (SwiGLU with silu, GeGLU with gelu); also from one
+    packed projection split in two halves (packed=1)."""
     ix = ShapedIndex(graph)
     for mul in [n for n in graph.nodes if is_op(n, "Mul")]:
         if not any(m is mul for m in graph.nodes) or const_scalar(mul.inputs[1], ix) is not None:
             continue
         m = _gated(ix, mul, result)
-        if m is None:
+        packed = None if m is not None else _packed(ix, mul, result)
+        if m is not None:
+            gate, up, act, name = m
+            nodes = [*gate.nodes, act, *up.nodes, mul]
+            inputs = [gate.a, gate.b, up.b, gate.bias, up.bias]
+        elif packed is not None:
+            gate, split, act, name = packed
+            nodes = [*gate.nodes, split, act, mul]
+            inputs = [gate.a, gate.b, None, gate.bias, None]
+        else:
             continue
-        gate, up, act, name = m
-        nodes = [*gate.nodes, act, *up.nodes, mul]
         try:
-            fuse(graph, nodes, "FusedGatedMLP", [gate.a, gate.b, up.b, gate.bias, up.bias], [mul.outputs[0]],
-                 {"trans_b": gate.trans_b, "activation": name})
+            fuse(graph, nodes, "FusedGatedMLP", inputs, [mul.outputs[0]],
+                 {"trans_b": gate.trans_b, "activation": name, "packed": int(m is None)})
         except FusionError as e:
             result.refuse(mul, f"gated MLP not fused: {e}")
             continue

@@ -654,3 +654,37 @@ def _additive(v: Any, dtype: str | None) -> tuple[bool | None, float | None]:
     if np.issubdtype(np_dtype, np.floating) and f <= float(np.finfo(np_dtype).min) / 2:
         return False, f
     return None, None
+
+
+# ---- magnitude bounds ----------------------------------------------------------------------------
+# Ops whose output elements are some of their first input's elements (layout, selection, repetition).
+_SAME_ELEMENTS = ("Identity", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Transpose", "Slice", "Gather",
+                  "aten::repeat", "aten::clone", "aten::contiguous", "aten::alias")
+INT64_BOUND = 2.0**63  # what any integer index or size can reach
+
+
+def magnitude_bound(ma: MaskAnalysis, v: Value | None, depth: int = MAX_DEPTH) -> float | None:
+    """An upper bound on |element| of `v` for every admitted size, or None: constants by their data, an
+    iota by its range (a symbolic end by the int64 range), layout ops by their input, + - * by the rules of
+    intervals. ALiBi's position bias is slopes times an iota: bounded, unlike a padding mask's fill."""
+    if v is None or depth == 0:
+        return None
+    data = ma.shapes.const(v)
+    if data is not None:
+        arr = np.asarray(data, dtype=np.float64)
+        top = float(np.max(np.abs(arr))) if arr.size else 0.0
+        return top if np.isfinite(top) else None
+    p = ma.ix.producer(v)
+    if p is None or len(p.outputs) != 1:
+        return None
+    if p.op in _SAME_ELEMENTS or (p.op == "Cast" and p.attrs.get("to") != "bool"):
+        return magnitude_bound(ma, p.inputs[0], depth - 1)
+    if p.op == "aten::arange":
+        ends = [p.attrs.get(k, 0) for k in ("start", "end")]
+        return max(abs(e) if isinstance(e, int | float) else INT64_BOUND for e in ends)
+    if p.op in ("Neg", "Add", "Sub", "Mul") and all(i is not None for i in p.inputs):
+        bounds = [magnitude_bound(ma, i, depth - 1) for i in p.inputs]
+        if any(b is None for b in bounds):
+            return None
+        return float(np.prod(bounds)) if p.op == "Mul" else float(sum(bounds))  # type: ignore[arg-type]
+    return None

@@ -46,8 +46,18 @@ def _trilu(n: Node, ins: Sequence[np.ndarray | None]) -> np.ndarray:
     return np.triu(ins[0], k) if n.attrs.get("upper", 1) else np.tril(ins[0], k)
 
 
+def _arange(n: Node, ins: Sequence[np.ndarray | None]) -> np.ndarray:
+    """aten::arange with numeric bounds (a symbolic one is a TypeError: not evaluated); torch's dtype rule:
+    int64 when every bound is an int, else float32."""
+    bounds = [n.attrs.get("start", 0), n.attrs["end"], n.attrs.get("step", 1)]
+    if not all(isinstance(b, int | float) and not isinstance(b, bool) for b in bounds):
+        raise TypeError("symbolic arange bounds")
+    dtype = n.attrs.get("dtype") or ("int64" if all(isinstance(b, int) for b in bounds) else "float32")
+    return np.arange(*bounds).astype(dtype)
+
+
 LOCAL_EVALUATORS = {
-    **EVALUATORS, "Trilu": _trilu,
+    **EVALUATORS, "Trilu": _trilu, "aten::arange": _arange,
     "aten::scalar_tensor": lambda n, i: np.asarray(n.attrs["s"], dtype=n.attrs.get("dtype") or "float32"),
 }
 

@@ -208,7 +208,7 @@ def _no_dropout(model: nn.Module) -> None:
                     setattr(cfg, k, 0.0)
 
 
-def _reasons(report: Any) -> list[str]:
+def reasons(report: Any) -> list[str]:
     """Why things were left unfused: the passes' refusals of near matches, and the candidates the target
     did not keep (kernel failures, declined, slower), each with its reason."""
     refused = {f"{r.rule}: {r.reason}" for r in report.passes.refusals}
@@ -225,7 +225,7 @@ def _run_compile(case: Case, cell: Cell) -> None:
     with torch.no_grad():
         cell.max_rel = _rel(fast(*args, **kwargs), model(*args, **kwargs))
     rep = fast.tkopt_report
-    cell.fusions, cell.refusals = rep.fusions, _reasons(rep)
+    cell.fusions, cell.refusals = rep.fusions, reasons(rep)
 
 
 def _run_backend(case: Case, cell: Cell, training: bool) -> None:
@@ -257,7 +257,7 @@ def _run_backend(case: Case, cell: Cell, training: bool) -> None:
     for gm in backend.graph_modules:
         for k, v in gm.tkopt_report.fusions.items():
             cell.fusions[k] = cell.fusions.get(k, 0) + v
-        cell.refusals += _reasons(gm.tkopt_report)
+        cell.refusals += reasons(gm.tkopt_report)
     cell.refusals = sorted(set(cell.refusals))
 
 
@@ -274,7 +274,7 @@ def _run_onnx(case: Case, cell: Cell, dynamo: bool, dynamic: bool) -> None:
         except Exception as e:
             raise ExportFailed(_one_line(e)) from e
         _, rep = tkopt.optimize_onnx(path, report=False, check_accuracy=True)
-    cell.fusions, cell.refusals = rep.fusions, _reasons(rep)
+    cell.fusions, cell.refusals = rep.fusions, reasons(rep)
     acc = rep.accuracy
     if acc is None or not acc.checked:
         raise RuntimeError(f"accuracy not checked: {'; '.join(acc.skipped) if acc else 'no check ran'}")

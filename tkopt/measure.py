@@ -36,9 +36,6 @@ class Timing:
         return cls(float(med), float(q[0]), float(q[1]), len(samples_ms), warmup, method, float(low))
 
 
-Stop = Callable[[list[float]], bool]  # given the samples so far (ms): stop timing now?
-
-
 def _cpu_sample(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -63,7 +60,7 @@ class Timer:
     """Times calls on a device: CUDA events around each call on CUDA, perf_counter elsewhere.
 
     `runs` timed calls after `warmup` untimed ones, cut short after `max_seconds` of timed calls (at
-    least `min_runs` are taken) or when `stop(samples)` says the answer is already known.
+    least `min_runs` are taken).
     """
 
     def __init__(self, device: Any = "cpu", runs: int = 20, warmup: int = 2, max_seconds: float | None = None,
@@ -73,7 +70,15 @@ class Timer:
         self.runs, self.warmup, self.max_seconds, self.min_runs = runs, warmup, max_seconds, min_runs
         self.sample = _cuda_sampler(device) if self.cuda else _cpu_sample
 
-    def __call__(self, fn: Callable[[], Any], stop: Stop | None = None) -> Timing:
+    @property
+    def method(self) -> str:
+        return "cuda_events" if self.cuda else "perf_counter"
+
+    def over(self, t0: float, runs: int) -> bool:
+        """Whether timing that began at perf_counter `t0` and took `runs` samples may stop for time."""
+        return self.max_seconds is not None and time.perf_counter() - t0 > self.max_seconds and runs >= self.min_runs
+
+    def __call__(self, fn: Callable[[], Any]) -> Timing:
         for _ in range(self.warmup):
             fn()
         if self.cuda:
@@ -84,12 +89,9 @@ class Timer:
         t0 = time.perf_counter()
         for _ in range(self.runs):
             samples.append(self.sample(fn))
-            if stop is not None and stop(samples):
+            if self.over(t0, len(samples)):
                 break
-            over = self.max_seconds is not None and time.perf_counter() - t0 > self.max_seconds
-            if over and len(samples) >= self.min_runs:
-                break
-        return Timing.of(samples, self.warmup, "cuda_events" if self.cuda else "perf_counter")
+        return Timing.of(samples, self.warmup, self.method)
 
 
 def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 20, warmup: int = 3,
@@ -99,7 +101,7 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
     rotated each round so drift and the machine's other load hit all alike; median per variant. On CUDA each
     call is bracketed by events with no synchronization until the round ends, so the CPU launches ahead as in
     a loop and a variant's time is what the stream spends on it (its launch cost shows only where the CPU
-    cannot keep ahead: exactly where the user pays it). Rounds stop after `max_seconds` (at least 3)."""
+    cannot keep ahead: exactly where the user pays it). Rounds stop after `max_seconds` (at least 5)."""
     cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
     names = list(fns)
     for name in names:
@@ -126,7 +128,7 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
         else:
             for name in order:
                 samples[name].append(_cpu_sample(fns[name]))
-        if r >= 2 and time.perf_counter() - t0 > max_seconds:
+        if r >= 4 and time.perf_counter() - t0 > max_seconds:
             break
     method = "cuda_events" if cuda else "perf_counter"
     return {name: Timing.of(samples[name], warmup, method) for name in names}
@@ -139,11 +141,27 @@ def time_calls(fn: Callable[[], Any], runs: int, warmup: int) -> Timing:
 
 def compare(fused: Callable[[], Any], unfused: Callable[[], Any], timer: Timer) -> tuple[Timing, Timing]:
     """(fused, unfused) timings, to be compared by their fastest calls: on a shared machine other processes
-    only ever add time, so a variant's minimum is the steadiest estimate of its own cost. The unfused side
-    is timed fully; the fused side stops once its fastest call is slower than the unfused side's fastest:
-    it is losing, and slow kernels are what cost most to time."""
-    base = timer(unfused)
-    return timer(fused, stop=lambda s: min(s) > base.min_ms), base
+    only ever add time, so a variant's minimum is the steadiest estimate of its own cost. The two are called
+    in turn, the order alternating, so a burst of other load lands on both sides alike (timed one after the
+    other, a burst during the unfused side's second made a CPU add+norm kernel "50x" faster than ATen).
+    Timing stops early once, after `min_runs` rounds, the fused side's fastest call is slower than the
+    unfused side's fastest: it is losing, and slow kernels are what cost most to time."""
+    for _ in range(timer.warmup):
+        unfused()
+        fused()
+    if timer.cuda:
+        import torch
+
+        torch.cuda.synchronize(timer.device)
+    f: list[float] = []
+    u: list[float] = []
+    t0 = time.perf_counter()
+    for r in range(timer.runs):
+        for samples, fn in ((u, unfused), (f, fused)) if r % 2 == 0 else ((f, fused), (u, unfused)):
+            samples.append(timer.sample(fn))
+        if len(f) >= timer.min_runs and min(f) > min(u) or timer.over(t0, len(f)):
+            break
+    return Timing.of(f, timer.warmup, timer.method), Timing.of(u, timer.warmup, timer.method)
 
 
 def speedup(base: Timing | None, other: Timing | None) -> float | None:

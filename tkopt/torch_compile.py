@@ -4,7 +4,8 @@ Shapes: the module is exported with every input dim `Dim.AUTO` (dynamic=True), s
 makes each dim symbolic unless the model pins it. A call whose inputs the exported program does
 not cover (a dim it specialised, e.g. a batch of 1 exported as static, another dtype, other
 non-tensor arguments) is re-exported and re-optimized for those inputs; each specialization is
-kept, and later calls pick the first one whose shape constraints they satisfy. With
+kept, and later calls pick the first one whose shape constraints they satisfy and whose constant
+state (non-persistent buffers, which the passes fold and prove masks from) is unchanged (tkopt.state_guard). With
 dynamic=False every new input signature gets its own static export. If the dynamic export fails,
 tkopt warns and exports statically.
 
@@ -47,6 +48,7 @@ from tkopt.ir import Graph
 from tkopt.object_trees import Boxed, Boxer, unbox
 from tkopt.pipeline import optimize
 from tkopt.report import Report
+from tkopt.state_guard import StateGuard
 from tkopt.targets.torch_target import TorchTarget, first_device
 
 log = logging.getLogger(__name__)
@@ -65,10 +67,11 @@ class Specialization:
     in_spec: pytree.TreeSpec
     inputs: list[Any]  # per flat input: its placeholder's example value (FakeTensor) or the constant
     ranges: dict[sympy.Symbol, Any]
+    state: StateGuard  # the buffers it folded: a write to one after compiling makes it stale
     accuracy: Accuracy | None = None  # with check_accuracy: fused against eager at several admitted sizes
 
     def accepts(self, spec: pytree.TreeSpec, flat: Sequence[Any]) -> bool:
-        if spec != self.in_spec or len(flat) != len(self.inputs):
+        if spec != self.in_spec or len(flat) != len(self.inputs) or self.state.changed() is not None:
             return False
         bound: dict[sympy.Symbol, int] = {}
         derived: list[tuple[sympy.Expr, int]] = []
@@ -239,7 +242,9 @@ class CompiledModule(nn.Module):
         examples = [node_val(p) if isinstance(x, (torch.Tensor, int)) and not isinstance(x, bool) else x
                     for p, x in zip(placeholders, flat, strict=True)]
         ranges = ep.range_constraints if self.dynamic else {}
-        entry = Specialization(gm, result.graph, run, won, result.report, spec, examples, ranges)
+        mutated = [n.removeprefix("module.") for n in ep.graph_signature.buffers_to_mutate.values()]
+        state = StateGuard.record(self.module, mutated)
+        entry = Specialization(gm, result.graph, run, won, result.report, spec, examples, ranges, state)
         if self.check_accuracy:
             def eager(*a: Any, **kw: Any) -> Any:
                 a, kw = unbox((a, kw))[0]

@@ -103,6 +103,7 @@ OPS: dict[str, Callable[[Node, Sequence[T | None]], T]] = {
     "Concat": lambda n, i: torch.cat(list(i), n.attr("axis", 0)),
     "Unsqueeze": lambda n, i: torch.as_tensor(np.expand_dims(i[0].numpy(), tuple(_axes(n, i)))),
     "Slice": _slice,
+    "aten::chunk": lambda n, i: i[0].chunk(n.attr("chunks"), n.attr("dim", 0)),
 }
 
 
@@ -125,7 +126,8 @@ def ops(graph: Graph) -> list[str]:
 def _execute(node: Node, ins: list[T | None]) -> list[T]:
     if node.domain == FUSED_DOMAIN:
         return run_reference(node.op, ins, node.attrs)
-    return [OPS[node.op](node, ins)]
+    out = OPS[node.op](node, ins)
+    return list(out) if isinstance(out, tuple) else [out]
 
 
 def run_graph(graph: Graph, feeds: dict[str, T]) -> list[T]:

@@ -80,6 +80,8 @@ OPS: dict[str, Callable[..., torch.Tensor]] = {
     "Reciprocal": lambda x, **_: 1 / x,
     "aten::any": lambda x, dim, keepdim, **_: x.any(dim, keepdim=keepdim),
     "aten::full_like": lambda x, fill_value, **_: torch.full_like(x, fill_value),
+    "Tanh": lambda x, **_: torch.tanh(x),
+    "aten::baddbmm": lambda c, a, b, beta=1.0, alpha=1.0, **_: torch.baddbmm(c, a, b, beta=beta, alpha=alpha),
 }
 
 
@@ -250,6 +252,26 @@ def test_causal_where_tril_buffer_plus_padding_mask_gpt2_form(fill: float) -> No
     result, fused = b.run(_attend(b, b.op("Add", s, pad), v))
     if fill == NEG_INF:
         assert _one(result, fused, causal=1).inputs[3] is pad
+    else:
+        _refused(result, fused, "causal mask bias fills with the finite -3.40282e+38 beside another mask")
+
+
+@pytest.mark.parametrize("slope", [0.5, 2.0**110])
+def test_finite_causal_fill_beside_a_bounded_bias(slope: float) -> None:
+    """ALiBi (MPT): a bias of slopes times key positions beside a finfo.min causal Where. Bounded far below the
+    fill, it is a bias and never masks a row: causal=1 plus the bias as the mask input. A bias as large as the
+    fill could mask whole rows: refused as a padding mask is."""
+    b = _Builder()
+    q, k, v = _qkv(b, sq=11)
+    tril = b.const("bias", np.tril(np.ones((11, 11), bool))[None, None])
+    positions = b.op("Cast", b.const("pos", np.arange(-10, 1, dtype=np.int64).reshape(1, 1, 1, 11)), to="float32")
+    alibi = b.op("Mul", positions, b.const("slopes", np.float32(slope) / 2.0 ** np.arange(1, H + 1, dtype=np.float32)
+                                           .reshape(1, H, 1, 1)))
+    s = b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D))))
+    s = b.op("Where", tril, s, b.const("minval", np.float32(np.finfo(np.float32).min)))
+    result, fused = b.run(_attend(b, b.op("Add", s, alibi), v))
+    if slope < 1:
+        assert _one(result, fused, causal=1).inputs[3] is alibi
     else:
         _refused(result, fused, "causal mask bias fills with the finite -3.40282e+38 beside another mask")
 
@@ -439,6 +461,48 @@ def test_refuse_mask_after_softmax() -> None:
     q, k, v = _qkv(b)
     p = b.op("Add", b.op("Softmax", _scores(b, q, k), axis=-1), b.input("mask", B, 1, 13, 13))
     _refused(*b.run(b.op("MatMul", p, v)), "a mask added after softmax")
+
+
+def test_refuse_logit_soft_capping() -> None:
+    """Gemma 2: tanh(scores / cap) * cap before the mask. No FusedAttention computes it: refused, saying why."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    capped = b.op("Mul", b.op("Tanh", b.op("Div", _scores(b, q, k), b.const("cap", np.float32(50.0)))),
+                  b.const("cap2", np.float32(50.0)))
+    _refused(*b.run(_attend(b, b.op("Add", capped, b.input("mask", B, 1, 13, 13)), v)),
+             "attention logit soft-capping (Tanh")
+
+
+def test_refuse_alibi_inside_baddbmm() -> None:
+    """Bloom: Q·K^T as baddbmm(alibi, q, k^T) on (B*H, S, D), reshaped to 4-D, then masked."""
+    b = _Builder()
+    q3, kt3, v = b.input("q", B * H, 13, D), b.input("kt", B * H, D, 13), b.input("v", B, H, 13, D)
+    scores = b.op("aten::baddbmm", b.input("alibi", B * H, 1, 13), q3, kt3, beta=1.0, alpha=0.25)
+    s4 = b.op("Reshape", scores, shape=[B, H, 13, 13])
+    _refused(*b.run(_attend(b, b.op("Add", s4, b.input("mask", B, 1, 13, 13)), v)),
+             "Q·K^T is aten::baddbmm aten::baddbmm_0, a batched matmul with a bias added inside it (ALiBi")
+
+
+def test_refuse_scale_inside_the_bmm_form() -> None:
+    """DeBERTa: K flattened to 3-D, transposed, then divided by the scale before the bmm."""
+    b = _Builder()
+    q, k, v = _qkv(b)
+    q3 = b.op("Reshape", q, shape=[B * H, 13, D])
+    kt3 = b.op("Div", b.op("Transpose", b.op("Reshape", k, shape=[B * H, 13, D]), perm=[0, 2, 1]),
+               b.const("scale", np.float32(math.sqrt(D))))
+    s3 = b.op("MatMul", q3, kt3)
+    s4 = b.op("Reshape", s3, shape=[B, H, 13, 13])
+    mm = b.g.nodes[-2].name
+    _refused(*b.run(_attend(b, s4, v)), f"Q·K^T is the 3-D MatMul {mm} whose operands {kt3.name} (from Div)")
+
+
+def test_softmax_that_is_not_attention_gets_no_reason() -> None:
+    """A classifier's softmax (2-D), and a 3-D one that no matmul reads: not attention, no refusal."""
+    b = _Builder()
+    x = b.input("x", B, 13, D)
+    logits = b.op("MatMul", b.input("h", B, D), b.input("w", D, 5))
+    result, fused = b.run(b.op("Softmax", logits, axis=-1), b.op("Softmax", b.op("MatMul", x, b.input("w2", D, 7))))
+    assert result.fused == 0 and not result.refusals
 
 
 def test_unscaled_with_scale_on_v_keeps_it_outside() -> None:

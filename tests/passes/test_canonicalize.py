@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tkopt.passes.canonicalize import FOLD_LIMIT, drop_identity, fold_constants
+from tkopt.ir import Node, Value
+from tkopt.passes.canonicalize import FOLD_LIMIT, drop_identity, fold_constants, merge_duplicates
 
 from .ir_helpers import Builder, apply, ops
 
@@ -89,3 +90,31 @@ def test_identity_and_noop_cast_are_dropped_real_casts_kept():
     assert ops(g) == ["Cast", "Cast", "Relu", "Identity"]
     assert g.nodes[0].inputs[0] is x
     assert torch.equal(b.run()[0], want[0])
+
+
+def test_duplicate_pure_nodes_merge_through_chains():
+    """Cohere's norm: `x - mean` written twice (for the variance and for the output) becomes one Sub,
+    and what reads the duplicates then matches too (a chain of duplicates collapses)."""
+    b = Builder()
+    x = b.input("x", (2, 3, 8))
+    mean = b.op("ReduceMean", x, axes=[-1], keepdims=1)
+    d1, d2 = b.op("Sub", x, mean), b.op("Sub", x, mean)
+    var = b.op("ReduceMean", b.op("Mul", d1, d1), axes=[-1], keepdims=1)
+    other = b.op("Sub", mean, x)  # same op, other input order: a different value
+    e1, e2 = b.op("Tanh", d1), b.op("Tanh", d2)
+    g = b.output(b.op("Add", b.op("Div", e2, var), b.op("Add", e1, other)))
+    want = b.run()
+    r = apply(g, merge_duplicates)
+    assert r.changed == 2 and ops(g).count("Sub") == 2 and ops(g).count("Tanh") == 1
+    assert torch.equal(b.run()[0], want[0])
+
+
+def test_random_unmapped_attribute_distinct_and_output_nodes_do_not_merge():
+    b = Builder()
+    x = b.input("x", (2, 8))
+    casts = [b.op("Cast", x, to="float16"), b.op("Cast", x, to="float64")]  # attributes differ
+    outs = [b.op("Relu", x), b.op("Relu", x)]  # both graph outputs: their names stay
+    g = b.output(*casts, *outs)
+    for op in ("Dropout", "Dropout", "aten::bernoulli", "aten::bernoulli"):  # random: separate draws
+        g.add_node(Node(op, [x], [Value(g.fresh_name(op), "float32", (2, 8))], {"p": 0.5}))
+    assert apply(g, merge_duplicates).changed == 0

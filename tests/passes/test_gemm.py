@@ -138,7 +138,7 @@ def test_gated_mlp(form, act, swap):
     b = _mlp(form, act, swap=swap)
     _fused_same(b, gated_mlp, gemm, want_ops=["FusedGatedMLP", "FusedGemm"])
     node = b.graph.nodes[0]
-    assert node.attrs == {"trans_b": int(form == "linear"), "activation": act}
+    assert node.attrs == {"trans_b": int(form == "linear"), "activation": act, "packed": 0}
     assert (node.inputs[3] is None) == (form == "linear")
 
 
@@ -150,6 +150,40 @@ def test_gated_mlp_near_misses_are_refused(form, up_n, reason):
     b = _mlp(form, up_n=up_n)
     r = apply(b.graph, recognize_silu, gated_mlp)
     assert "FusedGatedMLP" not in ops(b.graph) and reason in reasons(r)
+
+
+def _packed_mlp(n2: int, form: str = "linear", bias: bool = False) -> Builder:
+    """Phi-3's MLP: one projection to both halves, chunk(2, -1), act(gate) * up, then down."""
+    b = Builder()
+    x = b.input("x", X)
+    if form == "linear":
+        h = b.op("Linear", x, b.param(n2, 8), b.param(n2) if bias else None)
+    else:
+        h = b.op("MatMul", x, b.param(8, n2))
+    gate, up = b.op("aten::chunk", h, n_out=2, chunks=2, dim=-1)
+    y = b.op("Mul", up, b.op("Silu", gate))
+    b.output(b.op("Linear", y, b.param(8, n2 // 2)))
+    return b
+
+
+@pytest.mark.parametrize("form, bias", [("linear", False), ("linear", True), ("matmul", False)])
+def test_packed_gate_up_projection(form, bias):
+    b = _packed_mlp(32, form, bias)
+    _fused_same(b, gated_mlp, want_ops=["FusedGatedMLP", "Linear"])
+    node = b.graph.nodes[0]
+    assert node.attrs["packed"] == 1 and node.inputs[2] is None and node.inputs[4] is None
+    assert (node.inputs[3] is not None) == bias
+
+
+def test_packed_gate_up_of_odd_size_is_refused():
+    """chunk(2) of 3 columns gives 2 and 1, which the Mul broadcasts: not a gate and an up weight of one shape."""
+    b = Builder()
+    x = b.input("x", X)
+    gate, up = b.op("aten::chunk", b.op("Linear", x, b.param(3, 8)), n_out=2, chunks=2, dim=-1)
+    b.output(b.op("Mul", b.op("Silu", gate), up))
+    r = apply(b.graph, gated_mlp)
+    assert "FusedGatedMLP" not in ops(b.graph)
+    assert "the packed gate/up weight" in reasons(r) and "has N=3, not a static even size" in reasons(r)
 
 
 @pytest.mark.parametrize("disable, want", [

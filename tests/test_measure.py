@@ -1,0 +1,34 @@
+"""Timing on a shared machine: variants are called in turn, so a burst of other load lands on all of them."""
+
+from __future__ import annotations
+
+import time
+
+from tkopt.measure import Timer, compare, race
+
+
+def _recorder(calls: list[str], name: str, seconds: float = 0.0):
+    def fn() -> None:
+        calls.append(name)
+        time.sleep(seconds)
+
+    return fn
+
+
+def test_compare_alternates_fused_and_unfused_and_stops_once_fused_loses() -> None:
+    calls: list[str] = []
+    fused, unfused = _recorder(calls, "f", 0.002), _recorder(calls, "u")
+    f, u = compare(fused, unfused, Timer("cpu", runs=20, warmup=1, min_runs=3))
+    timed = calls[2:]  # after one warm-up call each
+    # never two rounds' worth of one side in a row: a burst of load cannot land on one side only
+    assert all(timed[i:i + 3].count(timed[i]) < 3 for i in range(len(timed) - 2)), timed
+    assert f.runs == u.runs == 3 and f.min_ms > u.min_ms  # the fused side lost: timing stopped at min_runs
+
+
+def test_race_rotates_the_order_and_times_every_variant_each_round() -> None:
+    calls: list[str] = []
+    out = race({k: _recorder(calls, k) for k in "abc"}, runs=6, warmup=2)
+    timed = calls[6:]
+    rounds = [timed[i:i + 3] for i in range(0, len(timed), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds) and len({r[0] for r in rounds}) == 3, rounds
+    assert {k: t.runs for k, t in out.items()} == {"a": 6, "b": 6, "c": 6}
