@@ -39,3 +39,25 @@ def test_workers_build_distinct_kernels_once_into_tilelangs_disk_cache(tmp_path,
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "again"))
     prebuild(distinct, cpu, fingerprint, workers=2)
     assert not (tmp_path / "again").exists() or not _files(tmp_path / "again"), "workers started for built kernels"
+
+
+def test_probe_shapes_keep_the_example_sizes_relations() -> None:
+    """K's and V's lengths under two symbols (an export that never learnt they are one, as torch 2.11's did for
+    a transformers decoder's cache) but equal in the example: the probe gives them one size, or the attention
+    kernel refuses K and V of different lengths and the fusion is lost ("kernel failed")."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-1, -2) * 0.125, -1) @ v
+
+    q, k, v = torch.randn(2, 4, 5, 64), torch.randn(2, 4, 9, 64), torch.randn(2, 4, 9, 64)
+    auto = {0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO}
+    ep = torch.export.export(Attend(), (q, k, v), dynamic_shapes=(auto, auto, auto))
+    graph = import_fx(ep)
+    run_passes(graph, ())
+    (node,) = [n for n in graph.nodes if n.op == "FusedAttention"]
+    for v_in, name in zip(node.inputs[1:3], ("k", "v"), strict=True):
+        v_in.shape = (*v_in.shape[:2], f"len_{name}", 64)  # what the older export named them
+    specs = input_specs(node)
+    (_, qs), (_, ks), (_, vs) = specs[:3]
+    assert ks == vs and qs[2] < ks[2] and qs[0] == ks[0], specs

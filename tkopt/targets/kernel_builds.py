@@ -22,7 +22,7 @@ import torch
 
 from tkopt.cache import JsonFile, cache_path, digest, versions
 from tkopt.fused_ops import run_kernel
-from tkopt.ir import Node
+from tkopt.ir import Node, Value
 from tkopt.kernels.workers import default_workers, map_in_workers
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -32,25 +32,43 @@ InputSpec = tuple[str, tuple[int, ...]] | None  # dtype name and shape of one in
 
 
 def input_specs(node: Node) -> list[InputSpec]:
-    """A node's inputs as (dtype, shape): its static dims, symbolic dims small (the same symbol, the same size).
-    Raises ValueError for an input no kernel can be built for."""
-    sizes: dict[str, int] = {}
-    specs: list[InputSpec] = []
+    """A node's inputs as (dtype, shape): its static dims, and its symbolic dims small but in the relation their
+    example sizes have (equal where equal, ordered as ordered). A graph may name equal dims by different symbols
+    (an export that never learnt K's and V's lengths are one): sizes drawn per symbol would hand the kernel
+    shapes no call has, and it would refuse them. Raises ValueError for an input no kernel can be built for."""
+    keys: list[list[Any]] = []
     for v in node.inputs:
         if v is None:
-            specs.append(None)
             continue
         if v.dtype not in DTYPES:
             raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
         if v.shape is None:
             raise ValueError(f"input {v.name} has unknown rank")
-        shape = []
-        for d in v.shape:
-            if d is None:
-                raise ValueError(f"input {v.name} has a dim of unknown size")
-            shape.append(d if isinstance(d, int) else sizes.setdefault(str(d), 3 + len(sizes)))
-        specs.append((v.dtype, tuple(shape)))
+        if any(d is None for d in v.shape):
+            raise ValueError(f"input {v.name} has a dim of unknown size")
+        keys.append([d if isinstance(d, int) else _size_key(v, axis) for axis, d in enumerate(v.shape)])
+    symbolic = {k for shape in keys for k in shape if not isinstance(k, int)}
+    small = {k: 3 + i for i, k in enumerate(sorted(symbolic))}
+    specs: list[InputSpec] = []
+    shapes = iter(keys)
+    for v in node.inputs:
+        if v is None:
+            specs.append(None)
+        else:
+            specs.append((v.dtype, tuple(k if isinstance(k, int) else small[k] for k in next(shapes))))
     return specs
+
+
+def _size_key(v: Value, axis: int) -> tuple[int, int | str]:
+    """What tells a symbolic dim's size apart: its example size where the FX node has one (sorted first, by
+    size), else its symbol's name."""
+    val = getattr(v.origin, "meta", {}).get("val")
+    if isinstance(val, torch.Tensor) and val.dim() == len(v.shape):  # type: ignore[arg-type]
+        size = val.shape[axis]
+        hint = size.node.hint if isinstance(size, torch.SymInt) else size
+        if hint is not None:
+            return (0, int(hint))
+    return (1, str(v.shape[axis]))  # type: ignore[index]
 
 
 def probe_inputs(specs: Sequence[InputSpec], device: torch.device) -> list[torch.Tensor | None]:
