@@ -39,9 +39,15 @@ def reference(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tenso
 
 
 def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    import torch
+
     from tkopt import kernels
 
     q, k, v, mask = ins
+    if q is not None and q.is_cuda and q.dtype == torch.float32 and kernels.matmul_precision() != "tf32":
+        # eager's fp32 attention is full fp32 at torch's default precision; the GPU kernel's products are TF32
+        raise Unservable("float32 attention on the GPU computes Q K^T and P V in TF32, which torch's matmul "
+                         "precision 'highest' does not allow (torch.set_float32_matmul_precision('high') does)")
     return [kernels.flash_attention(q, k, v, mask=mask, **_semantics(attrs))]
 
 
