@@ -28,8 +28,9 @@ in none are copied (`.contiguous()` in the requested layout); the output is writ
 Masks: any tensor broadcastable to (B, Hq, Sq, Skv). Leading dims are added as size 1; every size-1
 dim is a broadcast dim the kernel indexes at 0 (stride-0 semantics, nothing is expanded). A float mask
 is read as float32 (float64 by the cpu variant of float64 inputs; converted if given in another float
-dtype) and added after scaling, times
-`mask_scale`; a bool mask is read as uint8 through a zero-copy view, keeps where it equals `mask_keeps`
+dtype) and added after scaling, the sum then scaled by
+`mask_scale` ((S * scale + M) * mask_scale, the graph's order); a bool mask is read as uint8 through a
+zero-copy view, keeps where it equals `mask_keeps`
 (True; False for masked_fill's mask) and puts
 `mask_fill` elsewhere (finite fills stay finite: GPU scores move to the log2 domain only where the fill
 times log2 e stays finite, so finfo.min never overflows to -inf). `guard` says what a row
@@ -138,15 +139,16 @@ def _visible(q_idx, k_idx, seq_kv, causal: bool):
 
 def _masked_score(s, m, visible, mask_kind: str, mask_keeps: bool, mask_scale, fill, neg_inf):
     """One softmax input as the reference computes it, from s (the scaled q.k) and the mask value m: a bool
-    mask keeps s where m != 0 (m == 0 with mask_keeps False) and puts `fill` elsewhere; a float mask adds m
-    (times mask_scale unless it is None). A key that is not `visible` gets -inf whatever m says: a finite
+    mask keeps s where m != 0 (m == 0 with mask_keeps False) and puts `fill` elsewhere; a float mask adds m,
+    then the sum is scaled by mask_scale unless it is None. A key that is not `visible` gets -inf whatever
+    m says: a finite
     fill must never give weight to a padding key or to one causality hides (the reference applies
     causality after the mask). The one definition of masking, for both programs."""
     if mask_kind == "bool":
         m = T.cast(m, "int32")  # a uint8 condition breaks TVM's bound solver on the C backend (-1 as uint)
         s = T.if_then_else((m != 0) if mask_keeps else (m == 0), s, fill)
     else:
-        s = s + (m if mask_scale is None else m * mask_scale)
+        s = s + m if mask_scale is None else (s + m) * mask_scale
     return T.if_then_else(visible, s, neg_inf)
 
 
@@ -726,7 +728,7 @@ def flash_attention(
     """softmax(q k^T * scale + mask) v per head, as `reference.flash_attention_ref` (same arguments).
 
     layout "bhsd" (batch, heads, seq, dim) or "bshd" (batch, seq, heads, dim), for q, k, v and the output.
-    GQA: k/v may have fewer heads, dividing q's. mask: float (added, times mask_scale) or bool (keep where
+    GQA: k/v may have fewer heads, dividing q's. mask: float (added, the sum then times mask_scale) or bool (keep where
     it equals mask_keeps, mask_fill elsewhere), broadcastable to (B, Hq, Sq, Skv). causal: top-left
     aligned. guard: what a row whose every score is -inf ("none": NaN; "masked": 0) or that holds a NaN
     ("nan": 0) gives.

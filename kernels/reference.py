@@ -94,8 +94,9 @@ def flash_attention_ref(
     layout "bhsd": (batch, heads, seq, dim); "bshd": (batch, seq, heads, dim); output as q.
     GQA: k/v may have fewer heads than q, dividing it (head h of q reads kv head h // group).
     T = q k^T * scale (scale defaults to 1/sqrt(head_dim)), then a mask broadcastable to (B, Hq, Sq, Skv):
-    a float mask is added as mask * mask_scale (mask_scale: the scale a graph applies after adding it,
-    (S + M) * c); a bool mask keeps where it equals mask_keeps (True; False for masked_fill's mask) and
+    a float mask is added, and the sum then scaled by mask_scale (the scale a graph applies after adding
+    it: (S * scale + M) * mask_scale, in that order, which is what eager rounds); a bool mask keeps where
+    it equals mask_keeps (True; False for masked_fill's mask) and
     sets T to mask_fill elsewhere (a finite fill stays
     finite: a row whose every key is masked then weighs them all equally, as eager does).
     causal: query i sees keys j <= i (top-left, as torch SDPA's is_causal); later keys get no weight
@@ -122,7 +123,7 @@ def flash_attention_ref(
         if mask.dtype == torch.bool:
             s = s.masked_fill(mask != mask_keeps, mask_fill)
         else:
-            s = s + _acc(mask) * mask_scale
+            s = (s + _acc(mask)) * mask_scale
     if causal:
         sq, skv = s.shape[-2], s.shape[-1]
         keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril()

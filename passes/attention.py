@@ -391,7 +391,10 @@ def _choose(view: _View, m: _Match) -> tuple[str, _Src, _Src, _Src, list[Node], 
 def _fuse_match(view: _View, m: _Match, result: PassResult, anchor: Node) -> None:
     layout, q, k, v, extra, out, out_reads = _choose(view, m)
     if m.k_transposed:  # decomposed: no scale anywhere means 1 (unscaled attention, as T5's)
-        scale = (1.0 if m.scale is None else m.scale) * q.scale * k.scale
+        # (S * a + M) * c keeps its order (scale a, mask_scale c): S * a * c + M * c rounds differently where
+        # a row's every score is masked by large finite values.
+        chain = m.scale if m.masks.mask_scale == 1.0 else m.masks.scale_before
+        scale = (1.0 if chain is None else chain) * q.scale * k.scale
         if scale <= 0:
             raise _Refuse(f"attention scale {scale} is not positive")
     else:  # SDPA: None means the default 1/sqrt(d) (attribute 0)
@@ -516,7 +519,8 @@ class _Term:
     """One mask applied on the way from Q·K^T to softmax, in chain order.
 
     kind "add": scores + value; "keep": Where(value, scores, fill); "drop": Where(value, fill, scores)
-    (and masked_fill). `mult` is the product of the scales applied after it (they scale it too).
+    (and masked_fill). `mult` is the product of the scales applied after it (they scale it too), `before`
+    the product of those applied before it (None: none).
     """
 
     kind: str
@@ -524,6 +528,7 @@ class _Term:
     at: int
     fill: float = 0.0
     mult: float = 1.0
+    before: float | None = None
 
 
 @dataclass
@@ -533,6 +538,7 @@ class _Masks:
     causal: int = 0
     mask: Value | None = None
     mask_scale: float = 1.0
+    scale_before: float | None = None  # with mask_scale != 1: the scores' scale before the mask is added
     mask_fill: float = -math.inf
     mask_keeps: int = 1
 
@@ -547,9 +553,9 @@ def _fold(chain: list[tuple]) -> tuple[float | None, list[_Term]]:
             for t in terms:
                 t.mult *= step[1]
         elif step[0] == "add":
-            terms.append(_Term("add", step[1], i))
+            terms.append(_Term("add", step[1], i, before=scale))
         else:
-            terms.append(_Term(step[1], step[2], i, fill=step[3]))
+            terms.append(_Term(step[1], step[2], i, fill=step[3], before=scale))
     return scale, terms
 
 
@@ -601,6 +607,7 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
     out = _Masks(causal=int(bool(causal)))
     if explicit:
         out.mask, out.mask_scale, out.mask_fill = _mask_input(view, explicit[0], shape)
+        out.scale_before = explicit[0].before
         out.mask_keeps = int(explicit[0].kind != "drop")
     return out
 

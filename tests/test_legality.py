@@ -109,7 +109,7 @@ class FiniteFillThenScale(nn.Module):
 
 
 class AddThenScale(nn.Module):
-    """(scores + mask) * scale with a -1e4 additive mask: the mask is scaled too."""
+    """(scores + mask) * scale with a -1e4 additive mask: the mask is scaled too, after it is added."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         q, k, v = _qkv(x)
@@ -268,7 +268,7 @@ CASES = {
     "finite_fill_then_scale": Case(FiniteFillThenScale, lambda b, s: (_x(b, s),), XS, ALL,
                                    {"causal": 0, "mask_fill": -2.0, "scale": 2e-4}, mask_input=True),
     "add_then_scale": Case(AddThenScale, lambda b, s: (_x(b, s), torch.where(torch.rand(b, s) > 0.3, 0.0, -1e4)),
-                           ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"mask_scale": 2e-4, "scale": 2e-4}),
+                           ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"mask_scale": 2e-4, "scale": 1.0}),
     "masked_fill_eq0_padding": Case(PaddingEq0, lambda b, s: (_x(b, s), _keep(b, s, empty=True).long()),
                                     ({0: "b", 1: "s"}, {0: "b", 1: "s"}), ALL, {"mask_keeps": 0, "guard": "none"},
                                     mask_input=True),

@@ -23,8 +23,9 @@ SLICE = [(seed, "fx") for seed in FX_SEEDS] + [
     (1, "onnx-dynamo"), (35, "onnx-dynamo"), (43, "onnx-dynamo-static"),
     (44, "onnx-script"), (50, "onnx-script"), (26, "onnx-script-static"), (92, "onnx-script"), (6, "onnx-dynamo-cpu"),
     # graphs that showed issue 8's defects 2, 3, 5 and 6 before they were fixed (and, in float64, the
-    # fx-kernels 180 and onnx-script 92 above: kernel constants and fused ops' float attributes)
-    (57, "fx"), (98, "fx"), (98, "onnx-dynamo"), (30, "onnx-dynamo"),
+    # fx-kernels 180 and onnx-script 92 above: kernel constants and fused ops' float attributes; fx 1047: a
+    # -1e9 additive mask scaled after it is added, in float64, computed as S * c + M * c)
+    (57, "fx"), (98, "fx"), (98, "onnx-dynamo"), (30, "onnx-dynamo"), (1047, "fx"),
 ]
 # (seed, path) -> the open defect it shows; strict xfails
 KNOWN: dict[tuple[int, str], str] = {}

@@ -598,20 +598,20 @@ def test_refuse_two_masks() -> None:
 
 
 def test_scale_after_additive_mask_scales_the_mask() -> None:
-    """(S + M) * c: the mask is scaled too (mask_scale=c), not S * c + M."""
+    """(S + M) * c: the mask is scaled too, and after it is added (scale 1, mask_scale c), not S * c + M."""
     b = _Builder()
     q, k, v = _qkv(b)
     s = b.op("Mul", b.op("Add", _scores(b, q, k), b.input("m", B, 1, 1, 13)), b.const("c", np.float32(0.3)))
-    _one(*b.run(_attend(b, s, v)), scale=0.3, mask_scale=0.3)
+    _one(*b.run(_attend(b, s, v)), scale=1.0, mask_scale=0.3)
 
 
 def test_scales_around_an_additive_mask_fold_in_order() -> None:
-    """(S * a + M) * b: scale a*b, the mask scaled by b only."""
+    """(S * a + M) * b: scale a, then the sum scaled by b (mask_scale), in the graph's order."""
     b = _Builder()
     q, k, v = _qkv(b)
     s = b.op("Mul", _scores(b, q, k), b.const("a", np.float32(0.5)))
     s = b.op("Div", b.op("Add", s, b.input("m", B, 1, 1, 13)), b.const("c", np.float32(4.0)))
-    _one(*b.run(_attend(b, s, v)), scale=0.125, mask_scale=0.25)
+    _one(*b.run(_attend(b, s, v)), scale=0.5, mask_scale=0.25)
 
 
 def test_refuse_mask_scaled_by_a_negative_factor() -> None:

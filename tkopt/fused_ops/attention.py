@@ -1,8 +1,9 @@
 """FusedAttention: O = softmax(T) V, T = Q K^T * scale with the mask applied [causal].
 
 Layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA). scale <= 0 means
-1/sqrt(head_dim). The mask broadcasts over (b, h, q, k): a float mask adds mask * mask_scale (a graph's
-(S + M) * c), a bool mask keeps where it equals mask_keeps and sets T to mask_fill elsewhere (finite
+1/sqrt(head_dim). The mask broadcasts over (b, h, q, k): a float mask is added and the sum scaled by mask_scale
+(a graph's (S * a + M) * c: scale a, mask_scale c, in eager's order), a bool mask keeps where it equals
+mask_keeps and sets T to mask_fill elsewhere (finite
 fills stay finite). causal drops keys after the query (top-left). guard: what a row gives whose every T
 is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or holds a NaN ("nan": 0, as the dynamo
 exporter's Where(IsNaN(p), 0, p)). Exact definition: kernels.reference.flash_attention_ref;
