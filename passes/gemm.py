@@ -7,6 +7,7 @@ targets: batched matmuls (attention's QK^T, PV) are left alone without comment.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tkopt.ir import Graph, Node, Value
@@ -205,13 +206,20 @@ def _halves(ix: ShapedIndex, gate: Value | None, up: Value | None) -> Node | Non
     return node if ok else None
 
 
+def _activated_operand(ix: ShapedIndex, mul: Node) -> Iterator[tuple[Node, str, Value | None]]:
+    """(activation node, its name, the other operand) for each operand order of `mul` whose one side is an
+    activation read only by `mul`: the gate of a gated MLP."""
+    for g, u in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        if g is None or not ix.single_use(g):
+            continue
+        act = ix.producer(g)
+        if act is not None and (name := activation_name(act)) is not None:
+            yield act, name, u
+
+
 def _packed(ix: ShapedIndex, mul: Node, result: PassResult) -> tuple[Base, Node, Node, str] | None:
     """mul = act(h[..., :N]) * h[..., N:] with h = x @ [Wg | Wu] (+ b): a packed gate/up projection."""
-    for g, u in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
-        act = ix.producer(g)
-        name = activation_name(act) if act is not None else None
-        if name is None or g is None or not ix.single_use(g):
-            continue
+    for act, name, u in _activated_operand(ix, mul):
         split = _halves(ix, act.inputs[0], u)
         proj = split and _projection(ix, split.inputs[0])
         if proj is None:
@@ -227,11 +235,7 @@ def _packed(ix: ShapedIndex, mul: Node, result: PassResult) -> tuple[Base, Node,
 
 def _gated(ix: ShapedIndex, mul: Node, result: PassResult) -> tuple[Base, Base, Node, str] | None:
     """mul = act(x @ Wg + bg) * (x @ Wu + bu) in either operand order."""
-    for g, u in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
-        act = ix.producer(g)
-        name = activation_name(act) if act is not None else None
-        if name is None or g is None or not ix.single_use(g):
-            continue
+    for act, name, u in _activated_operand(ix, mul):
         gate, up = _projection(ix, act.inputs[0]), _projection(ix, u)
         if gate is None or up is None or gate.a is not up.a:
             continue
