@@ -36,9 +36,10 @@ def input_specs(node: Node) -> list[InputSpec]:
     example sizes have (equal where equal, ordered as ordered). A graph may name equal dims by different symbols
     (an export that never learnt K's and V's lengths are one): sizes drawn per symbol would hand the kernel
     shapes no call has, and it would refuse them. Raises ValueError for an input no kernel can be built for."""
-    keys: list[list[Any]] = []
+    keys: list[list[Any] | None] = []  # per input: each dim's size or what tells its size apart
     for v in node.inputs:
         if v is None:
+            keys.append(None)
             continue
         if v.dtype not in DTYPES:
             raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
@@ -47,16 +48,11 @@ def input_specs(node: Node) -> list[InputSpec]:
         if any(d is None for d in v.shape):
             raise ValueError(f"input {v.name} has a dim of unknown size")
         keys.append([d if isinstance(d, int) else _size_key(v, axis) for axis, d in enumerate(v.shape)])
-    symbolic = {k for shape in keys for k in shape if not isinstance(k, int)}
+    symbolic = {k for shape in keys if shape is not None for k in shape if not isinstance(k, int)}
     small = {k: 3 + i for i, k in enumerate(sorted(symbolic))}
-    specs: list[InputSpec] = []
-    shapes = iter(keys)
-    for v in node.inputs:
-        if v is None:
-            specs.append(None)
-        else:
-            specs.append((v.dtype, tuple(k if isinstance(k, int) else small[k] for k in next(shapes))))
-    return specs
+    return [None if v is None or shape is None
+            else (v.dtype, tuple(k if isinstance(k, int) else small[k] for k in shape))
+            for v, shape in zip(node.inputs, keys, strict=True)]
 
 
 def _size_key(v: Value, axis: int) -> tuple[int, int | str]:
