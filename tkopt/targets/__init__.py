@@ -25,12 +25,14 @@ Wins = Callable[[Timing, Timing], bool]  # (fused, unfused) -> does the fused no
 
 @dataclass
 class Measured:
-    """A fused node against what it replaces: (fused, unfused) timings per size measured, in order (the
-    target stops at the first size where it loses), or the error that running its kernel raised."""
+    """A fused node against what it replaces: (fused, unfused) timings per size (or per way of running the
+    unfused side) measured, in order (the target stops at the first where it loses; the node is kept only if
+    it wins at every one), or the error that running its kernel raised."""
 
     node: Node
     sizes: list[tuple[Timing, Timing]] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)  # a name per measured size, e.g. "batch 1, seq 128"
+    # a name per measurement, e.g. "batch 1, seq 128" or "example inputs, against inductor"
+    labels: list[str] = field(default_factory=list)
     error: str | None = None
 
 

@@ -1,12 +1,13 @@
 """Torch targets: fused nodes run as tkopt:: custom ops in an fx.GraphModule, on CPU or CUDA.
 
-"torch-cpu": a fused node is timed against its replaced fx nodes run eagerly (ATen), and the final
-module against the user's eager module. "torch-cuda": both sides of a node are timed as CUDA-graph
-replays, the replaced nodes compiled by inductor (cuBLAS for GEMMs) when the entry point uses inductor;
-the final module against the entry point's alternatives (tkopt.compile: the user's module eager and
-under torch.compile, default and reduce-overhead). Nodes are measured on their real inputs: the original
-graph runs once on the example inputs (torch.fx.Interpreter) to capture them. The whole graph is timed
-through the same call path the user's calls take, alternating with the alternatives (measure.race).
+A fused node is timed against its replaced fx nodes run eagerly (ATen); where the entry point runs the
+unfused rest through inductor (tkopt.compile's default on CUDA, inductor=True anywhere) and the node beat
+eager, it is then timed against inductor's code for those nodes, which decides. On CUDA both sides are
+CUDA-graph replays. The final module is timed against the entry point's alternatives (tkopt.compile: the
+user's module eager, and on CUDA under torch.compile, default and reduce-overhead). Nodes are measured on
+their real inputs: the original graph runs once on the example inputs (torch.fx.Interpreter) to capture
+them. The whole graph is timed through the same call path the user's calls take, alternating with the
+alternatives (measure.race).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class TorchTarget(Target):
     graph is timed as the user will call it: `as_user(runner(gm))` is the entry point's call path around
     its runner (default: the runner), and `call(fn)` calls such a callable, or an alternative, once as
     the user does (default: `fn(*args, **kwargs)`).
-    `cuda_graphs`: the entry point replays CUDA calls as CUDA graphs. `inductor`: on CUDA, time what a
-    node replaces compiled by inductor, as the entry point will run it.
+    `cuda_graphs`: the entry point replays CUDA calls as CUDA graphs. `inductor`: the entry point runs the
+    unfused rest through inductor (on any device), so a node that beats eager ATen is then timed against
+    inductor's code for what it replaces.
     """
 
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
@@ -82,7 +84,7 @@ class TorchTarget(Target):
         self.built: dict[str, Callable[..., Any]] = {}
         self.wrapped: tuple[fx.GraphModule, Callable[..., Any]] | None = None
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.inductor = inductor and self.device.type == "cuda"
+        self.inductor = inductor
         self.node_timer = Timer(self.device, runs=20, warmup=1, max_seconds=1.0)
         self.build_workers = build_workers  # worker interpreters building kernels (None: one per core but one)
         self.as_user = as_user or (lambda run: run)
@@ -148,28 +150,35 @@ class TorchTarget(Target):
         with unset_fake_temporarily(), torch.no_grad():
             values = capture_values(gm, nodes, self.flat)
             for n in nodes:
-                yield self._measure(gm, n, values)
+                yield self._measure(gm, n, values, wins)
 
-    def _measure(self, gm: fx.GraphModule, n: Node, values: Mapping[fx.Node, Any]) -> Measured:
+    def _measure(self, gm: fx.GraphModule, n: Node, values: Mapping[fx.Node, Any], wins: Wins) -> Measured:
+        """`n` against its replaced nodes run eagerly; with inductor, then against inductor's code for them, but
+        only if the fused op beat eager: inductor's code for a subgraph is in practice no slower than ATen's,
+        so a node that loses to eager would lose to inductor too, and its compile (seconds each) buys nothing."""
         try:
             ins = [None if v is None else input_tensor(v, values, self.device) for v in n.inputs]
             tiny, tiny_args = replaced_module(gm, n, values)
             d = schema(n.op)
             attrs = attr_args(n.op, n.attrs)
             op = CUSTOM_OPS[n.op]
-            unfused_fn = torch.compile(tiny, dynamic=False) if self.inductor else tiny
-
-            def fused() -> Any:
-                return op(*d.padded(ins), *attrs)
-
-            def unfused() -> Any:
-                return unfused_fn(*tiny_args)
-
-            unfused()  # inductor compiles here, outside the timing and the capture
-            pair = compare(replayed(fused, self.device), replayed(unfused, self.device), self.node_timer)
+            fused = replayed(lambda: op(*d.padded(ins), *attrs), self.device)
+            pair = compare(fused, replayed(lambda: tiny(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - a kernel that fails at the real shapes is not kept
             return Measured(n, error=f"{type(e).__name__}: {e}")
-        return Measured(n, [pair], ["example inputs"])
+        m = Measured(n, [pair], ["example inputs, against eager"])
+        if not self.inductor or not wins(*pair):
+            return m
+        try:
+            compiled = torch.compile(tiny, dynamic=False)
+            compiled(*tiny_args)  # inductor compiles here, outside the timing and the capture
+            pair = compare(fused, replayed(lambda: compiled(*tiny_args), self.device), self.node_timer)
+        except Exception as e:  # noqa: BLE001 - the entry point runs eager code where inductor fails
+            m.labels[0] += f" (inductor failed on it: {type(e).__name__})"
+            return m
+        m.sizes.append(pair)
+        m.labels.append("example inputs, against inductor")
+        return m
 
     # ---- emit and the whole graph -----------------------------------------------------------------
     def emit(self, graph: Graph) -> fx.GraphModule:
