@@ -1,0 +1,195 @@
+"""Compile time: tkopt.compile against torch.compile (default mode), cold and warm, each in a fresh process.
+
+For each model (benchmarks/whole_models.py's table and variants) four subprocesses run one after another,
+so nothing is warm in memory: torch.compile cold (a fresh TORCHINDUCTOR_CACHE_DIR) and warm (the same dir
+again), tkopt.compile cold (fresh TKOPT_CACHE_DIR, TILELANG_CACHE_DIR and inductor cache) and warm (the same
+dirs again). Each measures the wall time from building the compiled object to the end of its first call
+(synchronized), then times a few calls after it, so a compile that is cheap because it left work for later
+calls (or ran something else) is visible, and checks the first output against eager's. The tkopt runs add
+the report's laps (passes, kernels, selection, emit, whole graph).
+
+    python benchmarks/compile_time.py --out DIR [--models encoder_layer_8x512 ...] [--device cpu]
+
+Results go to DIR/compile_time.json and .md after every measurement (atomically). The issue's bar (H200): cold
+<= 2x torch.compile's, warm <= 1.2x. --device cpu is a smoke run of the script (fp32, tiny model; no claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import whole_models as wm  # the model table and variants (run as a script, its folder is on sys.path)
+from torch import nn
+
+VARIANTS = {"torch_compile": "inductor", "tkopt": "tkopt"}  # ours -> whole_models.make_variant's name
+RUNS = ("cold", "warm")
+LAPS = ("passes", "kernels", "selection", "emit", "whole graph")
+# A CPU smoke run's model: the encoder layer's shape at a size the CPU compiles in seconds.
+TINY = wm.Model("encoder_layer_tiny_2x16", lambda: nn.TransformerEncoderLayer(64, 4, 128, batch_first=True),
+                lambda: (torch.randn(2, 16, 64, device=wm.DEVICE),))
+MODELS = {**wm.MODELS, TINY.name: TINY}
+
+
+def child(model_name: str, variant: str, calls: int) -> dict[str, Any]:
+    """One measurement in this (fresh) process: build the compiled object, call it once, time `calls` more."""
+    m = MODELS[model_name]
+    torch.manual_seed(0)
+    model = m.build().to(wm.DEVICE, wm.DTYPE).eval()
+    inputs = tuple(x.to(wm.DTYPE) if x.is_floating_point() else x for x in m.inputs())
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        fn = wm.make_variant(VARIANTS[variant], model, inputs)
+        got = fn(*inputs)
+        wm._sync()
+        out["first_call_s"] = time.perf_counter() - t0
+        after = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn(*inputs)
+            wm._sync()
+            after.append((time.perf_counter() - t) * 1e3)
+        out["after_ms"] = after
+        want = model(*inputs).float()
+        out["max_rel_err"] = (got.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    report = getattr(fn, "tkopt_report", None)
+    if report is not None:
+        out["seconds"] = dict(report.seconds)
+        out["fused"] = f"{report.total_fused} of {len(report.nodes)}"
+        out["winner"] = report.whole_graph.winner if report.whole_graph else "tkopt"
+    return out
+
+
+def measure(model: str, variant: str, dirs: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One child process; `dirs` holds its caches (fresh for "cold", the cold run's again for "warm")."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(dirs / "inductor"), TRITON_CACHE_DIR=str(dirs / "triton"))
+    if variant == "tkopt":
+        env.update(TKOPT_CACHE_DIR=str(dirs / "tkopt"), TILELANG_CACHE_DIR=str(dirs / "tilelang"))
+    cmd = [sys.executable, __file__, "--child", model, variant, "--device", args.device, "--calls", str(args.calls)]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.child_timeout} s"}
+    result: dict[str, Any] = {"process_s": time.perf_counter() - t0}
+    last = p.stdout.strip().splitlines()[-1:] if p.returncode == 0 else []
+    if not last:
+        result["error"] = f"exit {p.returncode}: " + " | ".join(p.stderr.strip().splitlines()[-3:])
+        return result
+    result.update(json.loads(last[0]))
+    return result
+
+
+def ratios(row: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for run in RUNS:
+        ours, theirs = (row["runs"].get(v, {}).get(run, {}).get("first_call_s") for v in ("tkopt", "torch_compile"))
+        out[run] = ours / theirs if ours is not None and theirs else None
+    return out
+
+
+def _s(v: dict[str, Any]) -> str:
+    return "FAILED" if "error" in v else f"{v['first_call_s']:.1f}" if "first_call_s" in v else "-"
+
+
+def _after(v: dict[str, Any]) -> str:
+    return f"{statistics.median(v['after_ms']):.3g}" if v.get("after_ms") else "-"
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = ["# Compile time: tkopt.compile against torch.compile (default mode), fresh processes", "",
+             *(f"- {k}: {v}" for k, v in meta.items()), "",
+             "First call: wall seconds from building the compiled object to the end of its first call. Cold: empty "
+             "caches; warm: the cold run's caches. Ratio: tkopt / torch.compile (the bar: cold <= 2, warm <= 1.2). "
+             "After: median ms of the calls that followed.", "",
+             "| model | torch.compile cold | warm | tkopt cold | warm | cold ratio | warm ratio | after ms "
+             "(torch.compile / tkopt, warm) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tc, tk, q = r["runs"].get("torch_compile", {}), r["runs"].get("tkopt", {}), r["ratios"]
+        cells = [_s(tc.get("cold", {})), _s(tc.get("warm", {})), _s(tk.get("cold", {})), _s(tk.get("warm", {})),
+                 *("-" if q[run] is None else f"{q[run]:.2f}x" for run in RUNS),
+                 f"{_after(tc.get('warm', {}))} / {_after(tk.get('warm', {}))}"]
+        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+    lines += ["", "## tkopt.compile's laps (report.seconds), s", "",
+              "| model | run | " + " | ".join(LAPS) + " | fused | calls run | max rel err |",
+              "|---|---|" + "---|" * (len(LAPS) + 3)]
+    for r in rows:
+        for run in RUNS:
+            v = r["runs"].get("tkopt", {}).get(run, {})
+            if "seconds" in v:
+                laps = [f"{v['seconds'][k]:.1f}" if k in v["seconds"] else "-" for k in LAPS]
+                lines.append(f"| {r['model']} | {run} | " + " | ".join(laps)
+                             + f" | {v['fused']} | {v['winner']} | {v['max_rel_err']:.1e} |")
+    failures = [(r["model"], v, run, x["error"]) for r in rows for v, runs in r["runs"].items()
+                for run, x in runs.items() if "error" in x]
+    if failures:
+        lines += ["", "## Failures", "", *(f"- {m}/{v}/{run}: {e[:300]}" for m, v, run, e in failures)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="directory for compile_time.json and .md")
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
+                   help="default: encoder_layer_8x512 (cuda), encoder_layer_tiny_2x16 (cpu)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 smoke run of the script only")
+    p.add_argument("--calls", type=int, default=5, help="calls timed after the first")
+    p.add_argument("--child-timeout", type=float, default=900.0, help="seconds one measurement may take")
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    wm.DEVICE, wm.DTYPE = args.device, torch.float16 if args.device == "cuda" else torch.float32
+    if args.child:
+        print(json.dumps(child(*args.child, args.calls)))
+        return 0
+    if args.out is None:
+        p.error("--out is required")
+    # A timeout's SIGTERM as an exception: subprocess.run then kills the running measurement, not orphaning it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("compile_time.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    models = args.models or ["encoder_layer_8x512" if args.device == "cuda" else TINY.name]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(["benchmarks/compile_time.py", *(argv if argv is not None else sys.argv[1:])]),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("TKOPT_")}}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="compile_time.") as tmp:
+        for model in models:
+            print(f"{model}:", flush=True)
+            row: dict[str, Any] = {"model": model, "runs": {}}
+            rows.append(row)
+            for variant in VARIANTS:
+                dirs = Path(tmp, model, variant)
+                for run in RUNS:
+                    v = row["runs"].setdefault(variant, {})[run] = measure(model, variant, dirs, args)
+                    print(f"  {variant} {run}: " + (v["error"] if "error" in v else
+                          f"first call {v['first_call_s']:.1f} s, after {_after(v)} ms"
+                          + (f", laps {json.dumps({k: round(s, 1) for k, s in v['seconds'].items()})}"
+                             if "seconds" in v else "")), flush=True)
+                    row["ratios"] = ratios(row)
+                    wm._write(out / "compile_time.json", json.dumps({"meta": meta, "results": rows}, indent=2,
+                                                                    default=str))
+                    wm._write(out / "compile_time.md", markdown(rows, meta))
+    print(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""benchmarks/compile_time.py's CPU smoke run: four fresh processes per model (torch.compile and tkopt.compile,
+cold and warm), each result and ratio written as JSON and markdown. The numbers are the H200's business."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_time.py"
+
+
+def test_cpu_smoke_run_measures_cold_and_warm_in_fresh_processes(tmp_path) -> None:
+    env = dict(os.environ, TKOPT_KERNELS="reference")  # the script, not TileLang's CPU compiles, is under test
+    r = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--calls", "2", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    [row] = json.loads((tmp_path / "compile_time.json").read_text())["results"]
+    assert row["model"] == "encoder_layer_tiny_2x16"
+    for variant in ("torch_compile", "tkopt"):
+        for run in ("cold", "warm"):
+            v = row["runs"][variant][run]
+            assert "error" not in v and 0 < v["first_call_s"] < v["process_s"], v
+            assert len(v["after_ms"]) == 2 and v["max_rel_err"] < 1e-4, v
+    tkopt = row["runs"]["tkopt"]
+    assert {"passes", "kernels", "emit"} <= set(tkopt["cold"]["seconds"]) and tkopt["warm"]["fused"]
+    cold, warm = row["ratios"]["cold"], row["ratios"]["warm"]
+    assert cold == tkopt["cold"]["first_call_s"] / row["runs"]["torch_compile"]["cold"]["first_call_s"] and warm > 0
+    md = (tmp_path / "compile_time.md").read_text()
+    assert f"| encoder_layer_tiny_2x16 | {row['runs']['torch_compile']['cold']['first_call_s']:.1f} |" in md
+    assert f"{cold:.2f}x | {warm:.2f}x" in md and "| encoder_layer_tiny_2x16 | warm |" in md
