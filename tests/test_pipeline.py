@@ -232,6 +232,14 @@ def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) 
     _check_measured(report, {"eager", "inductor", "inductor+cudagraphs"})
     assert (fast.plain is None) == (report.whole_graph.winner == "tkopt")  # an alternative that won is what runs
     print(report)
+    # Inductor compiled a node's subgraph only where the fused op had beaten eager, and that timing decided.
+    nodes = [e for e in json.loads((cache_dir / "select-torch-cuda.json").read_text()).values() if "sizes" in e]
+    assert nodes
+    for entry in nodes:
+        labels = [s["label"] for s in entry["sizes"]]
+        first = entry["sizes"][0]
+        beat_eager = first["unfused_ms"] >= MARGIN * first["fused_ms"]
+        assert labels == ["example inputs, against eager", "example inputs, against inductor"][:1 + beat_eager], entry
     with torch.no_grad():
         want = model(*inputs)
         assert ((fast(*inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
