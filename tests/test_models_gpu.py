@@ -25,12 +25,7 @@ def _kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
 
 
-NO_GRAD_ON_CUDA = pytest.mark.xfail(strict=True, reason=(
-    "open: on the H200 (torch 2.11) under no_grad Dynamo runs the encoder layer without calling the backend "
-    "(torch._dynamo.explain: 1 graph, no breaks; the output is eager's); on CPU (torch 2.13) it fuses"))
-
-
-@pytest.mark.parametrize("training", [pytest.param(False, marks=NO_GRAD_ON_CUDA), True])
+@pytest.mark.parametrize("training", [False, True])
 def test_backend_encoder_layer_on_gpu(training: bool) -> None:
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(256, 4, 512, dropout=0.0, batch_first=True).cuda().half().train(training)

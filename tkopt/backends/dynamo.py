@@ -11,9 +11,10 @@ point in pyproject.toml where tkopt is installed, and through tkopt.backends.reg
 imported (`import tkopt` is enough).
 
 The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on
-real stand-ins for Dynamo's fake example inputs); where the optimized graph measures slower as a whole
-than the aten graph as traced, the traced one goes to AOTAutograd. `tkopt.last_report()` shows what
-happened.
+real stand-ins for Dynamo's fake example inputs). The whole-graph alternative is Dynamo's own graph, run
+as torch runs it (torch's fused fast paths included: what the user's module does eagerly) and replayed
+the same way; where it measures faster, the backend returns it as is, as backend="eager" would.
+`tkopt.last_report()` shows what happened.
 
 On CUDA the optimized forward graph is replayed as a CUDA graph per input signature, as in
 tkopt.compile (tkopt.cuda_graphs); parameters, which Dynamo passes as graph inputs, are captured
@@ -24,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
@@ -36,14 +38,16 @@ from torch._dynamo.symbolic_convert import TensorifyState
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from tkopt.cuda_graphs import GraphCache, capturable, signature
-from tkopt.frontends.decompositions import TRACE_DECOMPOSITIONS
+from tkopt.frontends.decompositions import TRACE_DECOMPOSITIONS, ensure_fake_impls
 from tkopt.frontends.fx import import_fx, node_val
 from tkopt.pipeline import optimize
 from tkopt.targets.torch_target import TorchTarget
 
 log = logging.getLogger(__name__)
+ensure_fake_impls()  # before Dynamo traces for this backend: it looks the backend up first
 
 
 def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
@@ -71,25 +75,70 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
 
 def optimize_graph_module(
     gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = (), select: str | None = None,
-    cuda_graphs: bool = True,
-) -> fx.GraphModule:
-    """Optimize an aten-level GraphModule through tkopt.pipeline: the module to run (tkopt's, or `gm` itself
-    where it measured faster as a whole), with the report in `.tkopt_report`.
+    cuda_graphs: bool = True, alternatives: Mapping[str, Callable[[], Callable[..., Any]]] | None = None,
+) -> tuple[fx.GraphModule, Callable[..., Any] | None]:
+    """Optimize an aten-level GraphModule through tkopt.pipeline: (the optimized module, with the report in
+    `.tkopt_report`; None, or the plain alternative to run instead where one measured faster as a whole).
+    `alternatives`: factories of what runs without tkopt, on the same inputs (default: `gm` itself).
 
     AOTAutograd may call its compilers inside its FakeTensorMode (inference graphs do); tkopt reads the
     graph's real constants and probes kernels on real tensors, so it leaves that mode while it works.
     """
     with unset_fake_temporarily():
         args = real_inputs(example_inputs)
-        on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
-        graphed = (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
-        target = TorchTarget(args, wrap=graphed, alternatives={"eager": lambda: graphed(gm)}, cuda_graphs=False)
+        graphed = graph_replay(example_inputs, cuda_graphs)
+        target = TorchTarget(args, wrap=graphed, alternatives=alternatives or {"eager": lambda: graphed(gm)},
+                             cuda_graphs=False)
         result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile graph")
-    out = result.emitted if result.winner == "tkopt" else gm
+    out = result.emitted
     out.tkopt_report = report = result.report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.passes.nodes_before,
              report.nodes_after)
+    return out, None if result.winner == "tkopt" else result.artifact
+
+
+def graph_replay(example_inputs: Sequence[Any], cuda_graphs: bool) -> Callable[[fx.GraphModule], Callable[..., Any]]:
+    """How the backend runs a graph for these inputs: replayed as CUDA graphs on CUDA (unless
+    `cuda_graphs` is off), else as it is."""
+    on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    return (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
+
+
+def plain_alternatives(gm: fx.GraphModule, example_inputs: Sequence[Any], cuda_graphs: bool, inductor: bool | None
+                       ) -> dict[str, Callable[[], Callable[..., Any]]]:
+    """What Dynamo's graph `gm` runs as without tkopt, built on demand: "eager", the graph as torch runs it
+    (torch's fused fast paths included, as the user's module does; replayed as tkopt's graph is); and where
+    `inductor` (None: on CUDA) and no autograd is recorded, what torch.compile would make of it: "inductor"
+    (its default mode) and, on CUDA, "inductor+cudagraphs" (mode="reduce-overhead"). Built in the grad mode
+    of this call: AOTAutograd decides there whether to record a backward."""
+    on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    graphed = graph_replay(example_inputs, cuda_graphs)
+    out: dict[str, Callable[[], Callable[..., Any]]] = {"eager": lambda: graphed(gm)}
+    grad = torch.is_grad_enabled()
+    if not (on_gpu if inductor is None else inductor) or (
+            grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)):
+        return out
+
+    def compiled(patches: dict[str, Any] | None) -> Callable[[], Callable[..., Any]]:
+        def build() -> Callable[..., Any]:
+            from torch._inductor.compile_fx import compile_fx
+
+            with torch.set_grad_enabled(grad):  # each compile gets its own copy: inductor edits graphs in place
+                return compile_fx(_copy(gm), example_inputs, config_patches=patches)
+
+        return build
+
+    out["inductor"] = compiled(None)
+    if on_gpu:
+        out["inductor+cudagraphs"] = compiled({"triton.cudagraphs": True})
     return out
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule of a copy of `gm`'s graph (node meta shared, not deep-copied: it holds fake tensors)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def replay_as_cuda_graphs(gm: fx.GraphModule, owner: fx.GraphModule) -> Callable[..., Any]:
@@ -128,19 +177,22 @@ def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphM
 
 
 def specialize_float_inputs(gm: fx.GraphModule) -> None:
-    """Make Dynamo retrace with float attributes as constants, if it made them graph inputs.
+    """Make Dynamo retrace with float attributes as constants, if it made them graph inputs or symbols.
 
     Dynamo passes floats such as a norm's epsilon or an attention scale as tensor inputs read with
-    .item(): the graph then adds a runtime scalar where the recognizers need a constant, and nothing
-    fuses. AOTAutograd asks Dynamo to specialize floats it cannot turn into tensor ops by the same
-    restart; here every float input is specialized (one restart per frame; a float argument that
-    changes between calls recompiles, as with torch.compile's specialize_float=True).
+    .item(), or as float symbols it then specializes by a guard (nn.TransformerEncoderLayer compares its
+    norms' eps): the graph then adds a runtime scalar where the recognizers need a constant, and
+    AOTAutograd's tensorify pass (inductor's too) asks Dynamo to restart for the specialized symbols.
+    Here every such float is specialized up front, by the same restart (one per frame; a float argument
+    that changes between calls recompiles, as with torch.compile's specialize_float=True).
     """
-    names = {
-        v.item_memo.node._expr.name for p in gm.graph.find_nodes(op="placeholder")
-        if isinstance(v := node_val(p), FakeTensor) and v.item_memo is not None
-        and hasattr(v.item_memo.node._expr, "name")
-    }
+    fakes = [v for p in gm.graph.find_nodes(op="placeholder") if isinstance(v := node_val(p), FakeTensor)]
+    names = {v.item_memo.node._expr.name for v in fakes
+             if v.item_memo is not None and hasattr(v.item_memo.node._expr, "name")}
+    shape_env = next((v.fake_mode.shape_env for v in fakes if v.fake_mode.shape_env is not None), None)
+    if shape_env is not None:
+        names |= {str(k) for k, v in shape_env.backed_var_to_val.items()
+                  if symbol_is_type(k, SymT.FLOAT) and isinstance(v, sympy.Float)}
     fresh = {n for n in names if not TensorifyState.should_specialize(n)}
     if fresh:
         for n in fresh:
@@ -148,10 +200,10 @@ def specialize_float_inputs(gm: fx.GraphModule) -> None:
         raise TensorifyScalarRestartAnalysis
 
 
-def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None
-                 ) -> Callable[..., Any]:
+def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None,
+                 inductor: bool | None = None) -> Callable[..., Any]:
     """A torch.compile backend that skips the passes named in `disable`; `cuda_graphs` and `select` as in
-    tkopt.compile."""
+    tkopt.compile; `inductor`: race inductor's compilations of each graph too (plain_alternatives)."""
     disabled = tuple(disable)
 
     def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -159,8 +211,12 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         specialize_float_inputs(gm)
-        optimized = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs, select,
-                                          cuda_graphs)
+        plain_ones = plain_alternatives(gm, example_inputs, cuda_graphs, inductor)
+        optimized, plain = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs, select,
+                                                 cuda_graphs, plain_ones)
+        if plain is not None:  # Dynamo's graph without tkopt measured faster
+            backend.graph_modules.append(optimized)
+            return plain
 
         def forward_compiler(fw: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
             # Recorded here, not above: Dynamo may restart after AOTAutograd rejects a first graph (it

@@ -17,7 +17,9 @@ aten._safe_softmax (SDPA's math path, taken in training when a float mask needs 
 position bias does): softmax with rows of all -inf giving 0, written with the row guard the
 attention pass knows (FusedAttention defines fully masked rows as 0 too).
 
-`TRACE_DECOMPOSITIONS` feeds make_fx when the torch.compile backend traces Dynamo's graph.
+`TRACE_DECOMPOSITIONS` feeds make_fx when the torch.compile backend traces Dynamo's graph. Before that,
+Dynamo must trace the fast path itself: `ensure_fake_impls` gives it the fake (meta) implementation torch
+2.13 has and 2.11 lacks.
 """
 
 from __future__ import annotations
@@ -110,6 +112,31 @@ def safe_softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tenso
     p = torch.softmax(x, dim, dtype=dtype)
     masked_rows = torch.logical_not(torch.any(torch.logical_not(x == float("-inf")), dim, keepdim=True))
     return torch.where(masked_rows, torch.full_like(p, 0), p)
+
+
+def _encoder_layer_meta(src: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """aten._transformer_encoder_layer_fwd's output on fake tensors: src's shape (torch 2.13's meta)."""
+    if src.is_nested:
+        raise NotImplementedError("_transformer_encoder_layer_fwd: no fake implementation for nested tensors")
+    return src.clone() if src.numel() == 0 else torch.empty_like(src)
+
+
+_FAKE_IMPLS: list[torch.library.Library] = []  # registrations stay only while their Library lives
+
+
+def ensure_fake_impls() -> None:
+    """Register a Meta kernel for aten._transformer_encoder_layer_fwd where torch has none (torch < 2.13).
+
+    Without one, Dynamo cannot run the op on fake tensors: it breaks the graph at every
+    nn.TransformerEncoderLayer in eval without autograd and runs the layer outside any backend, so
+    torch.compile(backend="tkopt") never sees it. The kernel is torch 2.13's own; once registered it
+    serves every backend in the process, as it does on torch 2.13."""
+    name = "aten::_transformer_encoder_layer_fwd"
+    if _FAKE_IMPLS or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_transformer_encoder_layer_fwd", _encoder_layer_meta, "Meta")
+    _FAKE_IMPLS.append(lib)
 
 
 TRACE_DECOMPOSITIONS: dict[Any, Any] = {
