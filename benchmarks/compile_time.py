@@ -50,6 +50,8 @@ def child(model_name: str, variant: str, calls: int) -> dict[str, Any]:
     model = m.build().to(wm.DEVICE, wm.DTYPE).eval()
     inputs = tuple(x.to(wm.DTYPE) if x.is_floating_point() else x for x in m.inputs())
     out: dict[str, Any] = {}
+    if variant == "tkopt":
+        import tkopt  # noqa: F401 - imported up front, as a user's script does (torch already is)
     with torch.no_grad():
         t0 = time.perf_counter()
         fn = wm.make_variant(VARIANTS[variant], model, inputs)
