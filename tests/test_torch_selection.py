@@ -49,8 +49,9 @@ def test_cpu_inductor_compiles_only_what_beat_eager(tmp_path, monkeypatch, compi
     """On CPU with inductor=True (as tkopt.compile(..., inductor=True) runs the rest), real TileLang CPU kernels:
     the GEMM loses to ATen's (the C backend is serial and scalar) and is declined from that measurement, no
     inductor compile of its subgraph; a node that beats eager is then compiled and decided against inductor.
-    No fused op beats ATen on this backend (add + LayerNorm: ~0.13 ms against ~0.05 ms at any small shape), so
-    the second node is measured under a rule that lets it win against eager."""
+    No fused op beats ATen on this backend (a kernel call alone costs ~0.1 ms; ATen's add + LayerNorm 0.01-0.05
+    ms at small shapes, 10x faster at large ones), so the add + norm is then measured under a rule that lets it
+    win against eager."""
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
@@ -63,11 +64,16 @@ def test_cpu_inductor_compiles_only_what_beat_eager(tmp_path, monkeypatch, compi
     gemm = by_op["FusedGemm"]
     assert gemm.decision == "slower" and gemm.reason == f"under {MARGIN:.2f}x at example inputs, against eager"
     assert gemm.unfused_ms * MARGIN < gemm.fused_ms
-    assert by_op["FusedAddNorm"].decision == "slower" and compiles == []  # both lost to eager: nothing compiled
+    # Nothing compiled the GEMM's subgraph; the add + norm (which loses to eager too, but a stall of ATen's
+    # threads on a loaded machine could make it win there) was compiled exactly when it was measured so.
+    assert not any({"aten.linear.default", "aten.addmm.default"} & _targets(gm) for gm in compiles)
+    add_norm = by_op["FusedAddNorm"]
+    assert len(compiles) == (add_norm.decision == "kept" or add_norm.reason.endswith("against inductor"))
 
     graph = import_fx(torch.export.export(model, inputs))
     run_passes(graph, ())
     norm = next(n for n in graph.nodes if n.op == "FusedAddNorm")
+    compiles.clear()
     with torch.no_grad():
         [m] = target.measure(graph, [norm], lambda fused, unfused: True)
     assert m.error is None and m.labels == ["example inputs, against eager", "example inputs, against inductor"]
