@@ -13,6 +13,7 @@ alternatives (measure.race).
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -174,7 +175,9 @@ class TorchTarget(Target):
             compiled(*tiny_args)  # inductor compiles here, outside the timing and the capture
             pair = compare(fused, replayed(lambda: compiled(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - the entry point runs eager code where inductor fails
-            m.labels[0] += f" (inductor failed on it: {type(e).__name__})"
+            warnings.warn(f"tkopt: inductor failed on what {n.name} ({n.op}) replaces ({type(e).__name__}: "
+                          f"{next(iter(str(e).splitlines()), '')}); "
+                          "it is decided against eager", stacklevel=2)
             return m
         m.sizes.append(pair)
         m.labels.append("example inputs, against inductor")
