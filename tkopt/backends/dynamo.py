@@ -10,10 +10,11 @@ AOTAutograd's inference graph. Dynamo finds the name "tkopt" through the `torch_
 point in pyproject.toml where tkopt is installed, and through tkopt.backends.registration wherever it is
 imported (`import tkopt` is enough).
 
-The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on
-real stand-ins for Dynamo's fake example inputs). The whole-graph alternative is Dynamo's own graph, run
-as torch runs it (torch's fused fast paths included: what the user's module does eagerly) and replayed
-the same way; where it measures faster, the backend returns it as is, as backend="eager" would.
+The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on the
+real values Dynamo holds for the graph's inputs: the parameters themselves). The whole-graph alternatives
+are Dynamo's own graph as torch runs it (torch's fused fast paths included: what the user's module does
+eagerly) and, on CUDA without autograd, inductor's compilations of it (torch.compile's default and
+reduce-overhead modes); where one measures faster, the backend returns it as is.
 `tkopt.last_report()` shows what happened.
 
 On CUDA the optimized forward graph is replayed as a CUDA graph per input signature, as in
@@ -73,6 +74,24 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
+def dynamo_inputs(example_inputs: Sequence[Any]) -> tuple[list[Any], bool]:
+    """The values to measure a Dynamo graph on, and whether all are real. Dynamo passes its backend the
+    real values (parameters, the call's inputs): parameters are used as they are (real weights, at the
+    addresses inductor's CUDA graphs fix for them), other tensors as clones (a graph may update its inputs in
+    place, and it runs many times here), SymInts at their hints; stand-ins (real_inputs) for fakes."""
+    out: list[Any] = []
+    real = True
+    for x in example_inputs:
+        if isinstance(x, FakeTensor):
+            out.extend(real_inputs([x]))
+            real = False
+        elif isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter):
+            out.append(x.detach().clone())
+        else:
+            out.extend(real_inputs([x]))
+    return out, real
+
+
 def optimize_graph_module(
     gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = (), select: str | None = None,
     cuda_graphs: bool = True, alternatives: Mapping[str, Callable[[], Callable[..., Any]]] | None = None,
@@ -86,9 +105,9 @@ def optimize_graph_module(
     """
     with unset_fake_temporarily():
         args = real_inputs(example_inputs)
-        graphed = graph_replay(example_inputs, cuda_graphs)
-        target = TorchTarget(args, wrap=graphed, alternatives=alternatives or {"eager": lambda: graphed(gm)},
-                             cuda_graphs=False)
+        on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
+        graphed = (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
+        target = TorchTarget(args, wrap=graphed, alternatives=alternatives or {"eager": lambda: gm}, cuda_graphs=False)
         result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile graph")
     out = result.emitted
     out.tkopt_report = report = result.report
@@ -97,25 +116,18 @@ def optimize_graph_module(
     return out, None if result.winner == "tkopt" else result.artifact
 
 
-def graph_replay(example_inputs: Sequence[Any], cuda_graphs: bool) -> Callable[[fx.GraphModule], Callable[..., Any]]:
-    """How the backend runs a graph for these inputs: replayed as CUDA graphs on CUDA (unless
-    `cuda_graphs` is off), else as it is."""
-    on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-    return (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
-
-
-def plain_alternatives(gm: fx.GraphModule, example_inputs: Sequence[Any], cuda_graphs: bool, inductor: bool | None
+def plain_alternatives(gm: fx.GraphModule, example_inputs: Sequence[Any], real: bool, inductor: bool | None
                        ) -> dict[str, Callable[[], Callable[..., Any]]]:
     """What Dynamo's graph `gm` runs as without tkopt, built on demand: "eager", the graph as torch runs it
-    (torch's fused fast paths included, as the user's module does; replayed as tkopt's graph is); and where
-    `inductor` (None: on CUDA) and no autograd is recorded, what torch.compile would make of it: "inductor"
-    (its default mode) and, on CUDA, "inductor+cudagraphs" (mode="reduce-overhead"). Built in the grad mode
-    of this call: AOTAutograd decides there whether to record a backward."""
+    (torch's fused fast paths included, as the user's module does), and where `inductor` (None: on CUDA),
+    no autograd is recorded and the race runs on Dynamo's `real` values (inductor's CUDA graphs fix the
+    parameters' addresses), what torch.compile would make of it: "inductor" (its default mode) and, on
+    CUDA, "inductor+cudagraphs" (mode="reduce-overhead"). Built in the grad mode of this call: AOTAutograd
+    decides there whether to record a backward."""
     on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-    graphed = graph_replay(example_inputs, cuda_graphs)
-    out: dict[str, Callable[[], Callable[..., Any]]] = {"eager": lambda: graphed(gm)}
+    out: dict[str, Callable[[], Callable[..., Any]]] = {"eager": lambda: gm}
     grad = torch.is_grad_enabled()
-    if not (on_gpu if inductor is None else inductor) or (
+    if not real or not (on_gpu if inductor is None else inductor) or (
             grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)):
         return out
 
@@ -211,8 +223,9 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         specialize_float_inputs(gm)
-        plain_ones = plain_alternatives(gm, example_inputs, cuda_graphs, inductor)
-        optimized, plain = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs, select,
+        values, real = dynamo_inputs(example_inputs)
+        plain_ones = plain_alternatives(gm, example_inputs, real, inductor)
+        optimized, plain = optimize_graph_module(aten_forward(gm, example_inputs), disabled, values, select,
                                                  cuda_graphs, plain_ones)
         if plain is not None:  # Dynamo's graph without tkopt measured faster
             backend.graph_modules.append(optimized)
