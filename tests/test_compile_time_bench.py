@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_time.py"
 
 
+@pytest.mark.slow  # four fresh interpreters, two of them compiling with inductor: ~20 s
 def test_cpu_smoke_run_measures_cold_and_warm_in_fresh_processes(tmp_path) -> None:
     env = dict(os.environ, TKOPT_KERNELS="reference")  # the script, not TileLang's CPU compiles, is under test
     r = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--calls", "2", "--out", str(tmp_path)],
