@@ -11,10 +11,11 @@ point in pyproject.toml where tkopt is installed, and through tkopt.backends.reg
 imported (`import tkopt` is enough).
 
 The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on the
-real values Dynamo holds for the graph's inputs: the parameters themselves). The whole-graph alternatives
-are Dynamo's own graph as torch runs it (torch's fused fast paths included: what the user's module does
-eagerly) and, on CUDA without autograd, inductor's compilations of it (torch.compile's default and
-reduce-overhead modes); where one measures faster, the backend returns it as is.
+real values Dynamo holds for the graph's inputs: the parameters themselves). The whole-graph alternative
+is Dynamo's own graph as torch runs it (torch's fused fast paths included: what the user's module does
+eagerly); where it measures faster, the backend returns it as is, as backend="eager" would. Inductor's
+compilations of the graph are not raced: built with compile_fx inside the backend call they ran on CPU,
+but faulted on the H200 (unspecified launch failure, 2026-12-01), cause not found.
 `tkopt.last_report()` shows what happened.
 
 On CUDA the optimized forward graph is replayed as a CUDA graph per input signature, as in
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import sympy
@@ -74,31 +75,22 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
-def dynamo_inputs(example_inputs: Sequence[Any]) -> tuple[list[Any], bool]:
-    """The values to measure a Dynamo graph on, and whether all are real. Dynamo passes its backend the
-    real values (parameters, the call's inputs): parameters are used as they are (real weights, at the
-    addresses inductor's CUDA graphs fix for them), other tensors as clones (a graph may update its inputs in
-    place, and it runs many times here), SymInts at their hints; stand-ins (real_inputs) for fakes."""
-    out: list[Any] = []
-    real = True
-    for x in example_inputs:
-        if isinstance(x, FakeTensor):
-            out.extend(real_inputs([x]))
-            real = False
-        elif isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter):
-            out.append(x.detach().clone())
-        else:
-            out.extend(real_inputs([x]))
-    return out, real
+def dynamo_inputs(example_inputs: Sequence[Any]) -> list[Any]:
+    """The values to measure a Dynamo graph on. Dynamo passes its backend the real values (parameters, the
+    call's inputs): parameters are used as they are (real weights, where they live), other tensors as
+    clones (a graph may update its inputs in place, and it runs many times here), SymInts at their hints;
+    stand-ins (real_inputs) for fakes."""
+    return [x.detach().clone() if isinstance(x, torch.Tensor) and not isinstance(x, (nn.Parameter, FakeTensor))
+            else real_inputs([x])[0] for x in example_inputs]
 
 
 def optimize_graph_module(
     gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = (), select: str | None = None,
-    cuda_graphs: bool = True, alternatives: Mapping[str, Callable[[], Callable[..., Any]]] | None = None,
-) -> tuple[fx.GraphModule, Callable[..., Any] | None]:
+    cuda_graphs: bool = True, plain: fx.GraphModule | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """Optimize an aten-level GraphModule through tkopt.pipeline: (the optimized module, with the report in
-    `.tkopt_report`; None, or the plain alternative to run instead where one measured faster as a whole).
-    `alternatives`: factories of what runs without tkopt, on the same inputs (default: `gm` itself).
+    `.tkopt_report`; None, or `plain` where it measured faster as a whole). `plain` is what runs without
+    tkopt, on the same inputs (default: `gm` itself).
 
     AOTAutograd may call its compilers inside its FakeTensorMode (inference graphs do); tkopt reads the
     graph's real constants and probes kernels on real tensors, so it leaves that mode while it works.
@@ -107,50 +99,14 @@ def optimize_graph_module(
         args = real_inputs(example_inputs)
         on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
         graphed = (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
-        target = TorchTarget(args, wrap=graphed, alternatives=alternatives or {"eager": lambda: gm}, cuda_graphs=False)
+        alternative = gm if plain is None else plain
+        target = TorchTarget(args, wrap=graphed, alternatives={"eager": lambda: alternative}, cuda_graphs=False)
         result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile graph")
     out = result.emitted
     out.tkopt_report = report = result.report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.passes.nodes_before,
              report.nodes_after)
     return out, None if result.winner == "tkopt" else result.artifact
-
-
-def plain_alternatives(gm: fx.GraphModule, example_inputs: Sequence[Any], real: bool, inductor: bool | None
-                       ) -> dict[str, Callable[[], Callable[..., Any]]]:
-    """What Dynamo's graph `gm` runs as without tkopt, built on demand: "eager", the graph as torch runs it
-    (torch's fused fast paths included, as the user's module does), and where `inductor` (None: on CUDA),
-    no autograd is recorded and the race runs on Dynamo's `real` values (inductor's CUDA graphs fix the
-    parameters' addresses), what torch.compile would make of it: "inductor" (its default mode) and, on
-    CUDA, "inductor+cudagraphs" (mode="reduce-overhead"). Built in the grad mode of this call: AOTAutograd
-    decides there whether to record a backward."""
-    on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-    out: dict[str, Callable[[], Callable[..., Any]]] = {"eager": lambda: gm}
-    grad = torch.is_grad_enabled()
-    if not real or not (on_gpu if inductor is None else inductor) or (
-            grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)):
-        return out
-
-    def compiled(patches: dict[str, Any] | None) -> Callable[[], Callable[..., Any]]:
-        def build() -> Callable[..., Any]:
-            from torch._inductor.compile_fx import compile_fx
-
-            with torch.set_grad_enabled(grad):  # each compile gets its own copy: inductor edits graphs in place
-                return compile_fx(_copy(gm), example_inputs, config_patches=patches)
-
-        return build
-
-    out["inductor"] = compiled(None)
-    if on_gpu:
-        out["inductor+cudagraphs"] = compiled({"triton.cudagraphs": True})
-    return out
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule of a copy of `gm`'s graph (node meta shared, not deep-copied: it holds fake tensors)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
 
 
 def replay_as_cuda_graphs(gm: fx.GraphModule, owner: fx.GraphModule) -> Callable[..., Any]:
@@ -212,10 +168,10 @@ def specialize_float_inputs(gm: fx.GraphModule) -> None:
         raise TensorifyScalarRestartAnalysis
 
 
-def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None,
-                 inductor: bool | None = None) -> Callable[..., Any]:
+def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None
+                 ) -> Callable[..., Any]:
     """A torch.compile backend that skips the passes named in `disable`; `cuda_graphs` and `select` as in
-    tkopt.compile; `inductor`: race inductor's compilations of each graph too (plain_alternatives)."""
+    tkopt.compile."""
     disabled = tuple(disable)
 
     def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -223,10 +179,8 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         specialize_float_inputs(gm)
-        values, real = dynamo_inputs(example_inputs)
-        plain_ones = plain_alternatives(gm, example_inputs, real, inductor)
-        optimized, plain = optimize_graph_module(aten_forward(gm, example_inputs), disabled, values, select,
-                                                 cuda_graphs, plain_ones)
+        optimized, plain = optimize_graph_module(aten_forward(gm, example_inputs), disabled,
+                                                 dynamo_inputs(example_inputs), select, cuda_graphs, plain=gm)
         if plain is not None:  # Dynamo's graph without tkopt measured faster
             backend.graph_modules.append(optimized)
             return plain
