@@ -51,7 +51,8 @@ def _check_measured(report, alternatives: set[str]) -> None:
     assert report.select == "measured" and report.nodes
     w = report.whole_graph
     assert w is not None and not w.cached
-    if any(d.decision in ("kept", "declined") for d in report.nodes):
+    # On CUDA tkopt's program (CUDA graphs) is raced even with no fusion kept.
+    if any(d.decision in ("kept", "declined") for d in report.nodes) or report.target == "torch-cuda":
         assert set(w.times_ms) == {"tkopt", *alternatives}
     elif len(alternatives) == 1:  # nothing fused: the one alternative runs, untimed
         assert w.times_ms == {} and w.winner in alternatives and w.note.startswith("no fusion kept"), w
@@ -229,7 +230,7 @@ def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) 
     fast = tkopt.compile(model, inputs)
     report = fast.tkopt_report
     assert report.target == "torch-cuda"
-    _check_measured(report, {"eager", "inductor", "inductor+cudagraphs"})
+    _check_measured(report, {"eager", "inductor"})
     assert (fast.plain is None) == (report.whole_graph.winner == "tkopt")  # an alternative that won is what runs
     print(report)
     # Inductor compiled a node's subgraph only where the fused op had beaten eager, and that timing decided.

@@ -17,7 +17,8 @@ sealed; here the report is made.
    torch.compile with and without CUDA graphs; the original model in ORT), at the example inputs. Nodes
    interact (layouts, the optimizations a fused node blocks), so a set of winning nodes can still lose as
    a whole: the faster one is returned, so tkopt is never slower than what it replaces, by construction.
-   With no fusion kept, only the alternatives are compared (and with one, none is timed).
+   With no fusion kept, only the alternatives are compared (and with one, none is timed), unless the
+   target's program adds something of its own (`Target.races_unfused`: CUDA graphs on torch-cuda).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     if cache is not None and target.alternatives():
         fused = any(d.decision == "kept" for d in decisions.values())
         with progress.step("timing the whole graph against the plain alternatives"):
-            whole = _whole(graph, target, artifact if fused else None, cache)
+            whole = _whole(graph, target, artifact if fused or target.races_unfused() else None, cache)
         winner = whole.winner
         if winner != "tkopt":
             artifact = target.alternative(winner)

@@ -12,12 +12,16 @@ tkopt warns and exports statically.
 Each specialization goes through tkopt.pipeline with a torch target (tkopt.targets.torch_target): by
 default (select="measured") each fusion is kept only where it measured faster than what it replaces on
 the device, and the whole result only where it measured faster than what the user already has: the
-module itself, eager, and on CUDA also `torch.compile(module)` with torch's defaults and with
-mode="reduce-overhead", each called as the user would call it, alternating with tkopt's result called
-through this module (measure.race). Where an alternative wins, calls go straight to it with the user's
-arguments, so they cost what it costs; where it wins the first comparison (the one tkopt.compile makes),
-every later call does, and no input signature is optimized again (the alternative handles new shapes
-as it would without tkopt: eager, or torch.compile's automatic dynamic shapes).
+module itself, eager, and on CUDA also `torch.compile(module)` with torch's defaults, each called as the
+user would call it, alternating with tkopt's result called through this module (measure.race). On CUDA
+tkopt's result is inductor's code under CUDA graphs around the fused nodes, so it stands in for
+mode="reduce-overhead" too: it is raced even with no fusion kept. mode="reduce-overhead" itself is not
+raced in this process: after tkopt's own CUDA graphs, its CUDA-graph trees faulted the device on the H200
+(nn.TransformerEncoderLayer, torch 2.11: "unspecified launch failure"). Where an alternative wins, calls
+go straight to it with the user's arguments, so they cost what it costs; where it wins the first
+comparison (the one tkopt.compile makes), every later call does, and no input signature is optimized
+again (the alternative handles new shapes as it would without tkopt: eager, or torch.compile's automatic
+dynamic shapes).
 
 On CUDA inputs (and with autograd off) each exact input signature is captured once as a CUDA graph
 and replayed afterwards (tkopt.cuda_graphs): the per-op Python dispatch would otherwise cost more
@@ -271,11 +275,11 @@ class CompiledModule(nn.Module):
 
     def _alternatives(self, device: torch.device) -> dict[str, Any]:
         """What a user of this module already has, exactly as they would have it (built on demand): the module
-        itself, and on CUDA torch.compile of it with torch's defaults and with CUDA graphs."""
+        itself, and on CUDA torch.compile of it with torch's defaults (reduce-overhead: see the module
+        docstring)."""
         alternatives: dict[str, Any] = {"eager": lambda: self.module}
         if device.type == "cuda":
             alternatives["inductor"] = lambda: torch.compile(self.module)
-            alternatives["inductor+cudagraphs"] = lambda: torch.compile(self.module, mode="reduce-overhead")
         return alternatives
 
     def _call(self, index: int, run: Any, boxer: Boxer, boxed: tuple[tuple, dict]) -> Any:

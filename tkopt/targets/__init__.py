@@ -69,6 +69,11 @@ class Target(ABC):
         """Names of the plain alternatives the final artifact is compared with (none: no comparison)."""
         return []
 
+    def races_unfused(self) -> bool:
+        """Whether the artifact with no fusion kept still differs from the plain alternatives (so it is raced
+        against them): it does where the target runs the program its own way, e.g. as CUDA graphs."""
+        return False
+
     def whole_key(self, graph: Graph, artifact: Any) -> Any:
         """The JSON-able key of a whole-graph comparison (`artifact` None: of the alternatives alone)."""
         raise NotImplementedError

@@ -4,7 +4,8 @@ A fused node is timed against its replaced fx nodes run eagerly (ATen); where th
 unfused rest through inductor (tkopt.compile's default on CUDA, inductor=True anywhere) and the node beat
 eager, it is then timed against inductor's code for those nodes, which decides. On CUDA both sides are
 CUDA-graph replays. The final module is timed against the entry point's alternatives (tkopt.compile: the
-user's module eager, and on CUDA under torch.compile, default and reduce-overhead). Nodes are measured on
+user's module eager, and on CUDA under torch.compile), on CUDA even with no fusion kept: the program then
+still adds what the entry point runs around the fused nodes (inductor, CUDA graphs). Nodes are measured on
 their real inputs: the original graph runs once on the example inputs (torch.fx.Interpreter) to capture
 them. The whole graph is timed through the same call path the user's calls take, alternating with the
 alternatives (measure.race).
@@ -189,6 +190,9 @@ class TorchTarget(Target):
 
     def alternatives(self) -> list[str]:
         return list(self.factories)
+
+    def races_unfused(self) -> bool:
+        return self.device.type == "cuda"  # there both entry points run it their own way (CUDA graphs, inductor)
 
     def alternative(self, name: str) -> Callable[..., Any]:
         if name not in self.built:
