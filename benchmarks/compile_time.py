@@ -89,7 +89,11 @@ def measure(model: str, variant: str, dirs: Path, args: argparse.Namespace) -> d
     result: dict[str, Any] = {"process_s": time.perf_counter() - t0}
     last = p.stdout.strip().splitlines()[-1:] if p.returncode == 0 else []
     if not last:
-        result["error"] = f"exit {p.returncode}: " + " | ".join(p.stderr.strip().splitlines()[-3:])
+        lines = p.stderr.strip().splitlines()
+        # The table shows the error's last lines; the JSON keeps the traceback, which a CUDA fault needs to be
+        # placed (its own message only says it may have come from elsewhere).
+        result["error"] = f"exit {p.returncode}: " + " | ".join(lines[-3:])
+        result["stderr_tail"] = "\n".join(lines[-80:])
         return result
     result.update(json.loads(last[0]))
     return result
