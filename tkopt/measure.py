@@ -36,6 +36,15 @@ class Timing:
         return cls(float(med), float(q[0]), float(q[1]), len(samples_ms), warmup, method, float(low))
 
 
+def _on_cuda(device: Any) -> bool:
+    """Whether `device` (a torch.device or its name) is a CUDA device."""
+    return getattr(device, "type", str(device).split(":")[0]) == "cuda"
+
+
+def _method(cuda: bool) -> str:
+    return "cuda_events" if cuda else "perf_counter"
+
+
 def _cpu_sample(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -65,14 +74,14 @@ class Timer:
 
     def __init__(self, device: Any = "cpu", runs: int = 20, warmup: int = 2, max_seconds: float | None = None,
                  min_runs: int = 3) -> None:
-        self.cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self.cuda = _on_cuda(device)
         self.device = device
         self.runs, self.warmup, self.max_seconds, self.min_runs = runs, warmup, max_seconds, min_runs
         self.sample = _cuda_sampler(device) if self.cuda else _cpu_sample
 
     @property
     def method(self) -> str:
-        return "cuda_events" if self.cuda else "perf_counter"
+        return _method(self.cuda)
 
     def over(self, t0: float, runs: int) -> bool:
         """Whether timing that began at perf_counter `t0` and took `runs` samples may stop for time."""
@@ -102,7 +111,7 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
     call is bracketed by events with no synchronization until the round ends, so the CPU launches ahead as in
     a loop and a variant's time is what the stream spends on it (its launch cost shows only where the CPU
     cannot keep ahead: exactly where the user pays it). Rounds stop after `max_seconds` (at least 5)."""
-    cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+    cuda = _on_cuda(device)
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -130,8 +139,7 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
                 samples[name].append(_cpu_sample(fns[name]))
         if r >= 4 and time.perf_counter() - t0 > max_seconds:
             break
-    method = "cuda_events" if cuda else "perf_counter"
-    return {name: Timing.of(samples[name], warmup, method) for name in names}
+    return {name: Timing.of(samples[name], warmup, _method(cuda)) for name in names}
 
 
 def time_calls(fn: Callable[[], Any], runs: int, warmup: int) -> Timing:
