@@ -14,7 +14,7 @@ sealed; here the report is made.
 4. seal: drop what only the unfused fallbacks read.
 5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
 6. whole graph ("measured"): the artifact against the plain alternatives the user already has (eager;
-   torch.compile with and without CUDA graphs; the original model in ORT), at the example inputs. Nodes
+   torch.compile; the original model in ORT), at the example inputs. Nodes
    interact (layouts, the optimizations a fused node blocks), so a set of winning nodes can still lose as
    a whole: the faster one is returned, so tkopt is never slower than what it replaces, by construction.
    With no fusion kept, only the alternatives are compared (and with one, none is timed), unless the
@@ -218,9 +218,10 @@ def _select(graph: Graph, target: Target, alive: list[Node], decisions: dict[str
 
 
 def _whole(graph: Graph, target: Target, artifact: Any, cache: DecisionCache) -> WholeGraph:
-    """The artifact against the target's plain alternatives (cached like node decisions). With no fusion kept
-    (`artifact` None) tkopt's graph is the user's model re-exported: not timed, nor built further; the best
-    alternative runs (the only one without timing anything, as on the CPU, where it is the module itself)."""
+    """The artifact against the target's plain alternatives (cached like node decisions). `artifact` None (no
+    fusion kept, and the target's program adds nothing of its own): tkopt's graph is the user's model
+    re-exported, so it is not timed; the best alternative runs (the only one without timing anything, as on
+    the CPU, where it is the module itself)."""
     names = target.alternatives()
     if artifact is None and len(names) == 1:
         return WholeGraph(names[0], {}, note="no fusion kept, so the model runs as it was")

@@ -53,9 +53,11 @@ ensure_fake_impls()  # before Dynamo traces for this backend: it looks the backe
 
 
 def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
-    """Real inputs to measure on: real tensors as they are; for Dynamo's fakes, tensors of their shapes
-    (symbolic sizes at their hints), dtypes and devices, with random floats, zero integers (valid
-    indices) and true bools; SymInts as their hints."""
+    """Inputs to measure on. Dynamo passes its backend the real values (parameters, the call's inputs):
+    parameters are used as they are (real weights, where they live), other tensors as clones (a graph may
+    update its inputs in place, and it runs many times here). For fakes, tensors of their shapes (symbolic
+    sizes at their hints), dtypes and devices, with random floats, zero integers (valid indices) and true
+    bools; SymInts as their hints."""
 
     def hint(d: Any) -> int:
         return d if isinstance(d, int) else int(d.node.hint)
@@ -70,18 +72,11 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
                 else:
                     fill = True if x.dtype == torch.bool else 0
                     out.append(torch.full(shape, fill, dtype=x.dtype, device=x.device))
+            elif isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter):
+                out.append(x.detach().clone())
             else:
                 out.append(hint(x) if isinstance(x, torch.SymInt) else x)
     return out
-
-
-def dynamo_inputs(example_inputs: Sequence[Any]) -> list[Any]:
-    """The values to measure a Dynamo graph on. Dynamo passes its backend the real values (parameters, the
-    call's inputs): parameters are used as they are (real weights, where they live), other tensors as
-    clones (a graph may update its inputs in place, and it runs many times here), SymInts at their hints;
-    stand-ins (real_inputs) for fakes."""
-    return [x.detach().clone() if isinstance(x, torch.Tensor) and not isinstance(x, (nn.Parameter, FakeTensor))
-            else real_inputs([x])[0] for x in example_inputs]
 
 
 def optimize_graph_module(
@@ -180,7 +175,7 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         specialize_float_inputs(gm)
         optimized, plain = optimize_graph_module(aten_forward(gm, example_inputs), disabled,
-                                                 dynamo_inputs(example_inputs), select, cuda_graphs, plain=gm)
+                                                 example_inputs, select, cuda_graphs, plain=gm)
         if plain is not None:  # Dynamo's graph without tkopt measured faster
             backend.graph_modules.append(optimized)
             return plain
