@@ -53,7 +53,7 @@ def test_compile_with_inductor_for_the_rest(monkeypatch) -> None:
 
 def test_inductor_failure_falls_back_to_the_fused_graph() -> None:
     """If inductor cannot compile the remainder, the fused graph runs as it is, after one warning."""
-    from tkopt.torch_compile import InductorOrEager
+    from tkopt.backends.inductor import InductorOrEager
 
     gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 3))
     run = InductorOrEager(gm, dynamic=False)

@@ -265,7 +265,7 @@ def test_cuda_backend_measures_and_reports(cache_dir, monkeypatch) -> None:
         want = model(*inputs)
     report = tkopt.last_report()
     assert report.target == "torch-cuda"
-    _check_measured(report, {"eager"})
+    _check_measured(report, {"eager", "inductor"})  # in inference inductor runs the rest, as in tkopt.compile
     print(report)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
 

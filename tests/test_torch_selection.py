@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tkopt.backends import inductor
 from tkopt.frontends.fx import import_fx
 from tkopt.passes.pipeline import run_passes
 from tkopt.pipeline import MARGIN, _apply, _entry, optimize
@@ -29,15 +30,15 @@ class _LinearAddNorm(nn.Module):
 
 @pytest.fixture
 def compiles(monkeypatch) -> list[torch.fx.GraphModule]:
-    """The modules torch.compile is called on from here on; the real torch.compile still compiles each."""
-    real = torch.compile
+    """The modules inductor compiles from here on; the real inductor still compiles each."""
+    real = inductor.compile_graph
     seen: list[torch.fx.GraphModule] = []
 
-    def spy(model, *args, **kwargs):
-        seen.append(model)
-        return real(model, *args, **kwargs)
+    def spy(gm, example_inputs):
+        seen.append(gm)
+        return real(gm, example_inputs)
 
-    monkeypatch.setattr(torch, "compile", spy)
+    monkeypatch.setattr(inductor, "compile_graph", spy)
     return seen
 
 
@@ -100,18 +101,16 @@ def test_a_node_whose_subgraph_inductor_fails_on_is_decided_against_eager(tmp_pa
     with a warning naming the node, instead of blaming the fused kernel."""
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
-    real = torch.compile
-
     def refuse(gm, example_inputs):
         raise RuntimeError("no code for this graph")
 
-    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: real(model, backend=refuse))
+    monkeypatch.setattr(inductor, "compile_graph", refuse)
     torch.manual_seed(0)
     model = _LinearAddNorm(96).eval()
     inputs = (torch.randn(33, 96), torch.randn(33, 96))
     graph = import_fx(torch.export.export(model, inputs))
     run_passes(graph, ())
     norm = next(n for n in graph.nodes if n.op == "FusedAddNorm")
-    with torch.no_grad(), pytest.warns(UserWarning, match=f"inductor failed on what {norm.name} .*refuse"):
+    with torch.no_grad(), pytest.warns(UserWarning, match=f"inductor failed on what {norm.name} .*no code for this graph"):
         [m] = TorchTarget(inputs, inductor=True).measure(graph, [norm], lambda fused, unfused: True)
     assert m.error is None and m.labels == ["example inputs, against eager"] and len(m.sizes) == 1

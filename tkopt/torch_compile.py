@@ -45,6 +45,7 @@ from torch import fx, nn
 from torch.export import Dim
 
 from tkopt.accuracy import Accuracy
+from tkopt.backends.inductor import InductorOrEager
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.differential import AccuracyError, check_module
 from tkopt.frontends.fx import import_fx, node_val
@@ -154,30 +155,6 @@ def _export(module: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torc
             warnings.warn(f"tkopt.compile: dynamic export failed ({type(e).__name__}: {e}); exporting with static "
                           "shapes (each new input shape will be re-exported)", stacklevel=3)
     return torch.export.export(wrapped, (args, kwargs))
-
-
-class InductorOrEager:
-    """`gm` compiled by inductor (lazily, at the first call); if inductor fails on it, `gm` itself from
-    then on, with a warning naming the error: inductor is an optimization here, never a requirement."""
-
-    def __init__(self, gm: fx.GraphModule, dynamic: bool) -> None:
-        self.gm = gm
-        # dynamic=None is torch's automatic dynamic: static shapes first, dynamic dims only on a recompile.
-        # Compiling the remainder with every dim dynamic (dynamic=True) ran it slower than static code.
-        self.compiled: Any = torch.compile(gm, fullgraph=True, dynamic=None if dynamic else False)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compiled is None:
-            return self.gm(*args, **kwargs)
-        try:
-            return self.compiled(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any inductor failure: run the fused graph as it is
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                raise
-            warnings.warn(f"tkopt.compile: inductor failed on the unfused remainder ({type(e).__name__}: {e}); "
-                          "running it without inductor", stacklevel=2)
-            self.compiled = None
-            return self.gm(*args, **kwargs)
 
 
 class CompiledModule(nn.Module):

@@ -202,3 +202,66 @@ def test_attention_with_a_learned_bias_fuses_in_training() -> None:
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert _fusions(backend)["attention"] == 1
+
+
+# ---- inductor around tkopt's fused nodes ------------------------------------------------------------
+
+def test_inference_runs_inductor_around_the_fused_nodes_at_every_size(tmp_path, monkeypatch) -> None:
+    """With inductor (the default on CUDA; inductor=True here), the backend runs as tkopt.compile does: inductor
+    compiles what tkopt left unfused, and the whole graph is raced against Dynamo's graph eager and inductor's
+    compilation of it. Inductor is called directly (compile_fx): inside a backend a nested torch.compile traces
+    nothing. The optimized graph is compiled on its symbolic inputs, so one compile serves every size Dynamo's
+    guards admit (compiled on the first call's static sizes, the second size failed inductor's size assert)."""
+    from tkopt.backends import inductor
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
+    real, compiled = inductor.compile_graph, []
+    monkeypatch.setattr(inductor, "compile_graph", lambda gm, ex: compiled.append(gm) or real(gm, ex))
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(D, H, 64, dropout=0.0, batch_first=True).eval()
+    sizes = [(2, 5), (3, 7), (1, 9)]
+
+    torch._dynamo.reset()
+    backend = make_backend(inductor=True)
+    fast = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        x = torch.randn(2, 5, D)
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+    whole = backend.graph_modules[-1].tkopt_report.whole_graph
+    assert {"eager", "inductor"} <= set(whole.times_ms), whole
+    assert compiled  # the inductor alternative at least
+
+    torch._dynamo.reset()
+    compiled.clear()
+    backend = make_backend(inductor=True, select="all")  # every fusion kept: tkopt's program runs
+    fast = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tkopt: inductor failed")  # no quiet fallback to the fused graph
+        for b, n in sizes:
+            x = torch.randn(b, n, D)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+    # One inductor compile per Dynamo graph, none per size: (2, 5) and (3, 7) share one graph; batch 1 gets its
+    # own (Dynamo specializes sizes 0 and 1).
+    assert len(compiled) == len(backend.graph_modules) == 2
+    for gm, optimized in zip(compiled, backend.graph_modules, strict=True):
+        assert gm is optimized and optimized.tkopt_report.total_fused > 0
+        assert any(str(n.target).startswith("tkopt.") for n in gm.graph.nodes), gm.code
+
+
+def test_training_graphs_go_through_aot_autograd_without_inductor(tmp_path, monkeypatch) -> None:
+    """What is raced runs without autograd, so where AOTAutograd records a backward inductor is not used."""
+    from tkopt.backends import inductor
+
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor, "compile_graph", lambda gm, ex: pytest.fail("inductor compiled a training graph"))
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(D, H, 64, dropout=0.0, batch_first=True).train()
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend=make_backend(inductor=True, select="all"))
+    x = torch.randn(2, 5, D, requires_grad=True)
+    fast(x).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    model(x).sum().backward()
+    torch.testing.assert_close(want, x.grad, rtol=1e-5, atol=1e-5)

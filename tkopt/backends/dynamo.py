@@ -11,11 +11,15 @@ point in pyproject.toml where tkopt is installed, and through tkopt.backends.reg
 imported (`import tkopt` is enough).
 
 The aten graph goes through tkopt.pipeline like tkopt.compile's (measured selection by default, on the
-real values Dynamo holds for the graph's inputs: the parameters themselves). The whole-graph alternative
-is Dynamo's own graph as torch runs it (torch's fused fast paths included: what the user's module does
-eagerly); where it measures faster, the backend returns it as is, as backend="eager" would. Inductor's
-compilations of the graph are not raced: built with compile_fx inside the backend call they ran on CPU,
-but faulted on the H200 (unspecified launch failure, 2026-12-01), cause not found.
+real values Dynamo holds for the graph's inputs: the parameters themselves). In inference on CUDA (and
+anywhere with inductor=True) the backend runs as tkopt.compile does: inductor compiles what tkopt left
+unfused (tkopt.backends.inductor), the result replayed as CUDA graphs, and the whole-graph alternatives
+are Dynamo's graph as torch runs it ("eager": torch's fused fast paths included, what the user's module
+does eagerly) and inductor's compilation of it ("inductor": what backend="inductor" gives). Whichever
+measures fastest is returned as is. Where AOTAutograd records a backward, the fused graph goes through
+AOTAutograd instead and only "eager" is raced. torch.compile's mode="reduce-overhead" (CUDA-graph trees)
+is never raced in-process: after tkopt's own CUDA graphs it faulted the H200 (unspecified launch failure,
+2026-12-01, cause not found); tkopt's program, inductor under CUDA graphs, stands in for it.
 `tkopt.last_report()` shows what happened.
 
 On CUDA the optimized forward graph is replayed as a CUDA graph per input signature, as in
@@ -42,11 +46,12 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
+from tkopt.backends.inductor import InductorOrEager
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.frontends.decompositions import TRACE_DECOMPOSITIONS, ensure_fake_impls
 from tkopt.frontends.fx import import_fx, node_val
 from tkopt.pipeline import optimize
-from tkopt.targets.torch_target import TorchTarget
+from tkopt.targets.torch_target import TorchTarget, first_device
 
 log = logging.getLogger(__name__)
 ensure_fake_impls()  # before Dynamo traces for this backend: it looks the backend up first
@@ -81,41 +86,61 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
 
 def optimize_graph_module(
     gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = (), select: str | None = None,
-    cuda_graphs: bool = True, plain: fx.GraphModule | None = None,
-) -> tuple[fx.GraphModule, fx.GraphModule | None]:
+    cuda_graphs: bool = True, plain: fx.GraphModule | None = None, inductor: bool = False,
+) -> tuple[fx.GraphModule, Callable[..., Any] | None]:
     """Optimize an aten-level GraphModule through tkopt.pipeline: (the optimized module, with the report in
-    `.tkopt_report`; None, or `plain` where it measured faster as a whole). `plain` is what runs without
-    tkopt, on the same inputs (default: `gm` itself).
+    `.tkopt_report`; what to run, or None where the optimized module is left to AOTAutograd).
+
+    `plain` is what runs without tkopt, on the same inputs (default: `gm` itself). With `inductor` (inference
+    only: what is raced runs no autograd), inductor compiles what tkopt leaves unfused and is an alternative
+    of its own; what to run is then tkopt's program as raced, or the alternative that beat it. Without, it is
+    the alternative that beat tkopt, or None.
 
     AOTAutograd may call its compilers inside its FakeTensorMode (inference graphs do); tkopt reads the
     graph's real constants and probes kernels on real tensors, so it leaves that mode while it works.
     """
+    alternative = gm if plain is None else plain
+    fakes = [node_val(p) for p in gm.graph.find_nodes(op="placeholder")]  # the optimized graph's inputs, as traced
     with unset_fake_temporarily():
         args = real_inputs(example_inputs)
-        on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in args)
-        graphed = (lambda m: replay_as_cuda_graphs(m, m)) if cuda_graphs and on_gpu else (lambda m: m)
-        alternative = gm if plain is None else plain
-        target = TorchTarget(args, wrap=graphed, alternatives={"eager": lambda: alternative}, cuda_graphs=False)
+        graphed = cuda_graphs and first_device(args).type == "cuda"
+        alternatives: dict[str, Callable[[], Callable[..., Any]]] = {"eager": lambda: alternative}
+        if inductor:
+            alternatives["inductor"] = lambda: InductorOrEager(alternative, example_inputs=example_inputs)
+
+        def wrap(m: fx.GraphModule) -> Callable[..., Any]:
+            run = InductorOrEager(m, example_inputs=fakes) if inductor else m
+            return replay_as_cuda_graphs(run, m) if graphed else run
+
+        target = TorchTarget(args, wrap=wrap, alternatives=alternatives, cuda_graphs=False, inductor=inductor)
         result = optimize(import_fx(gm), target, select=select, disable=disable, source="torch.compile graph")
     out = result.emitted
     out.tkopt_report = report = result.report
     log.info("tkopt: %d fusions %s, %d -> %d nodes", report.total_fused, report.fusions, report.passes.nodes_before,
              report.nodes_after)
-    return out, None if result.winner == "tkopt" else result.artifact
+    if result.winner != "tkopt":
+        return out, result.artifact
+    return out, target.runner(out) if inductor else None
 
 
-def replay_as_cuda_graphs(gm: fx.GraphModule, owner: fx.GraphModule) -> Callable[..., Any]:
-    """`gm`'s forward, replayed as a CUDA graph per input signature when its inputs are CUDA tensors.
-    `owner` (the optimized graph `gm` was made from) gets the cache and why the latest call ran uncaptured."""
+def needs_autograd(example_inputs: Sequence[Any]) -> bool:
+    """Whether AOTAutograd will record a backward for these inputs (its own rule)."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
+def replay_as_cuda_graphs(fn: Callable[..., Any], owner: fx.GraphModule) -> Callable[..., Any]:
+    """`fn` (a graph's forward, or inductor's code for it), replayed as a CUDA graph per input signature when
+    its inputs are CUDA tensors. `owner` (the optimized graph `fn` runs) gets the cache and why the latest
+    call ran uncaptured."""
     cache = GraphCache()
     owner.tkopt_graphs = cache
 
     def run(*args: Any) -> Any:
-        owner.tkopt_uncaptured_reason = capturable(args, gm)
+        owner.tkopt_uncaptured_reason = capturable(args, owner)
         if owner.tkopt_uncaptured_reason is not None:
-            return gm(*args)
+            return fn(*args)
         flat, spec = pytree.tree_flatten((args, {}))
-        return cache(signature(flat), gm, flat, spec, in_place=lambda t: isinstance(t, nn.Parameter))
+        return cache(signature(flat), fn, flat, spec, in_place=lambda t: isinstance(t, nn.Parameter))
 
     return run
 
@@ -163,10 +188,10 @@ def specialize_float_inputs(gm: fx.GraphModule) -> None:
         raise TensorifyScalarRestartAnalysis
 
 
-def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None
-                 ) -> Callable[..., Any]:
-    """A torch.compile backend that skips the passes named in `disable`; `cuda_graphs` and `select` as in
-    tkopt.compile."""
+def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: str | None = None,
+                 inductor: bool | None = None) -> Callable[..., Any]:
+    """A torch.compile backend that skips the passes named in `disable`; `cuda_graphs`, `select` and `inductor`
+    (None: on CUDA; inference graphs only) as in tkopt.compile."""
     disabled = tuple(disable)
 
     def backward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -174,18 +199,20 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         specialize_float_inputs(gm)
-        optimized, plain = optimize_graph_module(aten_forward(gm, example_inputs), disabled,
-                                                 example_inputs, select, cuda_graphs, plain=gm)
-        if plain is not None:  # Dynamo's graph without tkopt measured faster
+        on_gpu = first_device(example_inputs).type == "cuda"
+        use_inductor = (on_gpu if inductor is None else inductor) and not needs_autograd(example_inputs)
+        optimized, run = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs, select,
+                                               cuda_graphs, plain=gm, inductor=use_inductor)
+        if run is not None:  # inductor's program, or a plain alternative that measured faster
             backend.graph_modules.append(optimized)
-            return plain
+            return run
 
         def forward_compiler(fw: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable[..., Any]:
             # Recorded here, not above: Dynamo may restart after AOTAutograd rejects a first graph (it
             # specializes a float it had made an input), calling this backend again for the same code.
             backend.graph_modules.append(optimized)
-            on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in fw_inputs)
-            return make_boxed_func(replay_as_cuda_graphs(fw, optimized) if cuda_graphs and on_gpu else fw.forward)
+            graphed = cuda_graphs and first_device(fw_inputs).type == "cuda"
+            return make_boxed_func(replay_as_cuda_graphs(fw, optimized) if graphed else fw.forward)
 
         compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
         return compiler(optimized, example_inputs, **kwargs)
