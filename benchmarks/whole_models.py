@@ -70,7 +70,9 @@ class LastHidden(nn.Module):
         self.call_kwargs = call_kwargs
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(*inputs, return_dict=False, **self.call_kwargs)[0]
+        # By name: the second positional parameter is not the mask everywhere (GPT2Model's is past_key_values).
+        named = dict(zip((self.model.main_input_name, "attention_mask"), inputs, strict=False))
+        return self.model(**named, return_dict=False, **self.call_kwargs)[0]
 
 
 def _tokens(batch: int, seq: int, vocab: int) -> Callable[[], tuple[torch.Tensor, ...]]:
