@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import onnx
 import pytest
@@ -15,7 +16,7 @@ from tkopt.ir import Node
 from tkopt.measure import Timing
 from tkopt.models.blocks import REFERENCE_MODELS
 from tkopt.models.export import export_onnx
-from tkopt.pipeline import MARGIN, _apply, _entry, _wins, resolve_select
+from tkopt.pipeline import MARGIN, UNFUSED, _apply, _entry, _wins, resolve_select
 from tkopt.report import NodeDecision
 from tkopt.targets import Measured
 from tkopt.targets.ort_target import OrtTarget
@@ -51,8 +52,12 @@ def _check_measured(report, alternatives: set[str]) -> None:
     assert report.select == "measured" and report.nodes
     w = report.whole_graph
     assert w is not None and not w.cached
-    # On CUDA tkopt's program (CUDA graphs) is raced even with no fusion kept.
-    if any(d.decision in ("kept", "declined") for d in report.nodes) or report.target == "torch-cuda":
+    # On CUDA tkopt's program (CUDA graphs) is raced even with no fusion kept, and with fusions kept, so is the
+    # same program with every fusion put back.
+    fused = any(d.decision == "kept" or d.reason.startswith("the whole graph ran faster") for d in report.nodes)
+    if report.target == "torch-cuda":
+        assert set(w.times_ms) == {"tkopt", *alternatives} | ({UNFUSED} if fused else set())
+    elif fused:
         assert set(w.times_ms) == {"tkopt", *alternatives}
     elif len(alternatives) == 1:  # nothing fused: the one alternative runs, untimed
         assert w.times_ms == {} and w.winner in alternatives and w.note.startswith("no fusion kept"), w
@@ -158,6 +163,52 @@ def test_torch_cpu_calls_run_exactly_the_whole_graph_winner(cache_dir, monkeypat
         assert fast.plain is None and not seen
 
 
+class _Graphed(TorchTarget):
+    """A torch target whose program differs from the plain alternatives even unfused, as on CUDA."""
+
+    def races_unfused(self) -> bool:
+        return True
+
+
+def test_the_unfused_program_is_raced_and_runs_where_the_fusions_lose_together(cache_dir, monkeypatch) -> None:
+    """Nodes that each won alone can lose together: where the target's own program differs from the plain
+    alternatives (on CUDA: inductor and CUDA graphs), that program with every fusion put back is raced too, and
+    where it wins, it runs: tkopt's program, unfused, and the decision is cached like the others. Here every
+    node is made to win (no margin) and TileLang's serial CPU kernels lose as a whole; the plain alternative
+    is made slower than both."""
+    from tkopt.frontends.fx import import_fx
+    from tkopt.pipeline import optimize
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setattr("tkopt.pipeline.MARGIN", 0.0)
+    model, inputs = REFERENCE_MODELS["mlp"]()
+
+    def slow(*args: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return model(*args)
+
+    def run() -> tuple:
+        target = _Graphed(inputs, alternatives={"slow": lambda: slow})
+        return optimize(import_fx(torch.export.export(model, inputs)), target, select="measured"), target
+
+    result, target = run()
+    w = result.report.whole_graph
+    assert set(w.times_ms) == {"tkopt", UNFUSED, "slow"} and w.winner == UNFUSED, w
+    assert w.times_ms[UNFUSED] * 1.02 <= w.times_ms["tkopt"]
+    assert result.winner == "tkopt" and result.artifact is result.emitted
+    assert not any(n.is_fused for n in result.graph.nodes)
+    assert not any(str(n.target).startswith("tkopt.") for n in result.emitted.graph.nodes)
+    reason = f"the whole graph ran faster as {UNFUSED}"
+    assert result.report.nodes and all(d.decision == "declined" and d.reason == reason for d in result.report.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(target.runner(result.emitted)(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+    _refuse_to_measure(monkeypatch, TorchTarget)
+    again, _ = run()
+    assert again.report.whole_graph.cached and again.report.whole_graph.winner == UNFUSED
+    assert not any(n.is_fused for n in again.graph.nodes)
+
+
 def _timing(ms: float) -> Timing:
     return Timing(ms, ms, ms, 3, 1, "perf_counter", ms)
 
@@ -247,6 +298,29 @@ def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) 
     _refuse_to_measure(monkeypatch, TorchTarget)
     again = tkopt.compile(model, inputs)
     assert all(d.cached for d in again.tkopt_report.nodes) and _measured_nothing(again.tkopt_report.whole_graph)
+
+
+@pytest.mark.gpu
+def test_cuda_races_both_programs_as_their_own_graphs(cache_dir, monkeypatch) -> None:
+    """tkopt.compile on CUDA with every node kept (no margin): the race times tkopt's fused and unfused programs,
+    each replayed as its own CUDA graphs (keyed by one specialization alone, the second would have replayed the
+    first's), and only the winner's graphs stay."""
+    from tkopt.models import blocks
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setattr("tkopt.pipeline.MARGIN", 0.0)
+    torch.manual_seed(0)
+    model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=256, heads=4, max_seq=128)).eval().cuda().half()
+    inputs = tuple(_cuda(t) for t in model.example_inputs(batch=2, seq=77))
+    fast = tkopt.compile(model, inputs)
+    w = fast.tkopt_report.whole_graph
+    print(fast.tkopt_report)
+    assert set(w.times_ms) == {"tkopt", UNFUSED, "eager", "inductor"}, w
+    spec = fast.specializations[-1]
+    assert all(key[1] is spec.run for key in fast.graphs.graphs) if spec.graphed else not fast.graphs.graphs
+    with torch.no_grad():
+        want = model(*inputs)
+        assert ((fast(*inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
 @pytest.mark.gpu

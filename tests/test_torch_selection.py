@@ -111,6 +111,7 @@ def test_a_node_whose_subgraph_inductor_fails_on_is_decided_against_eager(tmp_pa
     graph = import_fx(torch.export.export(model, inputs))
     run_passes(graph, ())
     norm = next(n for n in graph.nodes if n.op == "FusedAddNorm")
-    with torch.no_grad(), pytest.warns(UserWarning, match=f"inductor failed on what {norm.name} .*no code for this graph"):
+    warned = f"inductor failed on what {norm.name} .*no code for this graph"
+    with torch.no_grad(), pytest.warns(UserWarning, match=warned):
         [m] = TorchTarget(inputs, inductor=True).measure(graph, [norm], lambda fused, unfused: True)
     assert m.error is None and m.labels == ["example inputs, against eager"] and len(m.sizes) == 1

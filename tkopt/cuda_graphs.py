@@ -99,6 +99,11 @@ class GraphCache:
         self.limit = limit
         self.graphs: OrderedDict[Hashable, CapturedCall | str] = OrderedDict()
 
+    def drop(self, stale: Callable[[Hashable], bool]) -> None:
+        """Forget the graphs whose keys are `stale` (their memory goes with them)."""
+        for key in [k for k in self.graphs if stale(k)]:
+            del self.graphs[key]
+
     def __call__(self, key: Hashable, fn: Callable[..., Any], flat: Sequence[Any], spec: pytree.TreeSpec,
                  in_place: Callable[[torch.Tensor], bool] = lambda t: False) -> Any:
         entry = self.graphs.get(key)

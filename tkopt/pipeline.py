@@ -18,11 +18,14 @@ sealed; here the report is made.
    interact (layouts, the optimizations a fused node blocks), so a set of winning nodes can still lose as
    a whole: the faster one is returned, so tkopt is never slower than what it replaces, by construction.
    With no fusion kept, only the alternatives are compared (and with one, none is timed), unless the
-   target's program adds something of its own (`Target.races_unfused`: CUDA graphs on torch-cuda).
+   target's program adds something of its own (`Target.races_unfused`: CUDA graphs and inductor on
+   torch-cuda); there, with fusions kept, the same program with every fusion put back ("tkopt unfused")
+   is raced too, and runs if it wins.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
@@ -49,6 +52,7 @@ MARGIN = 1.10
 WHOLE_MARGIN = 1.02
 SELECT_SECONDS = 600.0  # default bound on measuring one graph's candidates (TKOPT_SELECT_SECONDS)
 SELECT_MODES = ("measured", "all")
+UNFUSED = "tkopt unfused"  # tkopt's program with every fusion put back, where the target races it
 
 
 @dataclass
@@ -122,20 +126,34 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     for n in candidates:
         if decisions[n.name].decision != "kept":
             unfuse(graph, n)
+    kept = [n for n in candidates if decisions[n.name].decision == "kept"]
+    racing = cache is not None and bool(target.alternatives())
+    # Where the target's program adds something of its own, that program with no fusion is raced too: nodes
+    # that each won alone can still lose together (and on CUDA it stands in for torch.compile's CUDA graphs).
+    unfused = unfused_view(graph) if racing and kept and target.races_unfused() else None
     seal(graph)
     artifact = emitted = target.emit(graph)
     lap("emit")
     whole, winner = None, "tkopt"
-    if cache is not None and target.alternatives():
-        fused = any(d.decision == "kept" for d in decisions.values())
+    if racing:
+        programs = {"tkopt": artifact} if kept or target.races_unfused() else {}
+        if unfused is not None:
+            programs[UNFUSED] = target.emit(unfused)
         with progress.step("timing the whole graph against the plain alternatives"):
-            whole = _whole(graph, target, artifact if fused or target.races_unfused() else None, cache)
+            whole = _whole(graph, target, programs, cache)
         winner = whole.winner
         if winner != "tkopt":
-            artifact = target.alternative(winner)
             for d in decisions.values():
                 if d.decision == "kept":
                     _decide(d, "declined", f"the whole graph ran faster as {winner}")
+        if winner == UNFUSED:  # tkopt's own program still runs, with every fusion put back
+            for n in kept:
+                unfuse(graph, n)
+            seal(graph)
+            artifact = emitted = programs[UNFUSED]
+            winner = "tkopt"
+        elif winner != "tkopt":
+            artifact = target.alternative(winner)
         lap("whole graph")
     plain = winner != "tkopt"
     report = Report(
@@ -217,25 +235,39 @@ def _select(graph: Graph, target: Target, alive: list[Node], decisions: dict[str
                     "(TKOPT_SELECT_SECONDS)")
 
 
-def _whole(graph: Graph, target: Target, artifact: Any, cache: DecisionCache) -> WholeGraph:
-    """The artifact against the target's plain alternatives (cached like node decisions). `artifact` None (no
-    fusion kept, and the target's program adds nothing of its own): tkopt's graph is the user's model
-    re-exported, so it is not timed; the best alternative runs (the only one without timing anything, as on
-    the CPU, where it is the module itself)."""
+def unfused_view(graph: Graph) -> Graph:
+    """`graph` with every fused node as the nodes it replaced, sealed; `graph` itself is left as it is (the copy
+    shares its nodes and values, which sealing and unfusing never change, only node lists)."""
+    view = copy.copy(graph)
+    view.nodes = [r for n in graph.nodes for r in (n.replaced if n.is_fused else [n])]
+    view.toposort()
+    seal(view)
+    return view
+
+
+def _whole(graph: Graph, target: Target, programs: dict[str, Any], cache: DecisionCache) -> WholeGraph:
+    """tkopt's programs ("tkopt", and UNFUSED where raced) against the target's plain alternatives (cached like
+    node decisions). No program (no fusion kept, and the target's program adds nothing of its own): tkopt's
+    graph is the user's model re-exported, so it is not timed; the best alternative runs (the only one without
+    timing anything, as on the CPU, where it is the module itself). The fused program must beat the unfused
+    one, and tkopt's program the best alternative, by WHOLE_MARGIN."""
     names = target.alternatives()
-    if artifact is None and len(names) == 1:
+    if not programs and len(names) == 1:
         return WholeGraph(names[0], {}, note="no fusion kept, so the model runs as it was")
-    key = target.whole_key(graph, artifact)
+    key = target.whole_key(graph, programs)
     entry = cache.get(key)
     if entry is not None:
         return WholeGraph(entry["winner"], entry["times_ms"], cached=True)
     try:
         # Medians: the whole graph is timed as the user runs it, variants alternating (measure.race), and
         # the median is what their loop gets; a node's decision compares fastest calls instead (`_wins`).
-        times = {k: t.median_ms for k, t in target.compare_whole(graph, artifact).items()}
+        times = {k: t.median_ms for k, t in target.compare_whole(graph, programs).items()}
     except Exception as e:  # noqa: BLE001 - an alternative that fails is no alternative: keep tkopt's
         return WholeGraph("tkopt", {}, note=f"not compared: {type(e).__name__}: {e}")
-    best = min((k for k in times if k != "tkopt"), key=times.__getitem__)
-    winner = "tkopt" if "tkopt" in times and times["tkopt"] * WHOLE_MARGIN <= times[best] else best
+    best = min((k for k in times if k not in programs), key=times.__getitem__)
+    ours = "tkopt"
+    if UNFUSED in times and times[UNFUSED] < times["tkopt"] * WHOLE_MARGIN:
+        ours = UNFUSED
+    winner = ours if ours in times and times[ours] * WHOLE_MARGIN <= times[best] else best
     cache.put(key, {"winner": winner, "times_ms": times, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return WholeGraph(winner, times)

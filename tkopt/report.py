@@ -51,7 +51,7 @@ class NodeDecision:
 class WholeGraph:
     """The final graph against the plain alternatives the user already has, at the example inputs."""
 
-    winner: str  # "tkopt" or the name of the alternative that was faster
+    winner: str  # "tkopt", "tkopt unfused" (its program with every fusion put back) or the alternative that was faster
     times_ms: dict[str, float]  # variant -> its median call, variants alternating (tkopt.measure.race)
     cached: bool = False
     note: str = ""

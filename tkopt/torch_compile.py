@@ -243,6 +243,7 @@ class CompiledModule(nn.Module):
                 raise AccuracyError(f"tkopt.compile: fused outputs {bad} differ from eager beyond tolerance: "
                                     f"{entry.accuracy.outputs}")
         self.specializations.append(entry)
+        self.graphs.drop(lambda key: key[0] == index and key[1] is not run)  # the race's losing program
         if not won and index == 0:
             self.plain = run
             self.uncaptured_reason = f"the plain alternative runs ({result.winner})"
@@ -267,7 +268,8 @@ class CompiledModule(nn.Module):
         if self.uncaptured_reason is not None:
             out, finals = run(*boxed)
         else:
-            out, finals = self.graphs((index, signature(flat)), run, flat, spec)
+            # `run` in the key: the whole-graph race calls two of tkopt's programs for one specialization
+            out, finals = self.graphs((index, run, signature(flat)), run, flat, spec)
         unbox(finals, boxer.objects)
         return unbox(out, boxer.objects)[0]
 

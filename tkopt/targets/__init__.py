@@ -70,16 +70,18 @@ class Target(ABC):
         return []
 
     def races_unfused(self) -> bool:
-        """Whether the artifact with no fusion kept still differs from the plain alternatives (so it is raced
-        against them): it does where the target runs the program its own way, e.g. as CUDA graphs."""
+        """Whether tkopt's program with no fusion still differs from the plain alternatives (so it is raced
+        against them, and against the fused program): it does where the target runs the program its own way,
+        e.g. as CUDA graphs."""
         return False
 
-    def whole_key(self, graph: Graph, artifact: Any) -> Any:
-        """The JSON-able key of a whole-graph comparison (`artifact` None: of the alternatives alone)."""
+    def whole_key(self, graph: Graph, programs: dict[str, Any]) -> Any:
+        """The JSON-able key of a whole-graph comparison of tkopt's `programs` (name -> artifact; none: the
+        alternatives alone)."""
         raise NotImplementedError
 
-    def compare_whole(self, graph: Graph, artifact: Any) -> dict[str, Timing]:
-        """"tkopt" (the artifact; left out where it is None) and each alternative, timed on the example inputs."""
+    def compare_whole(self, graph: Graph, programs: dict[str, Any]) -> dict[str, Timing]:
+        """Each of tkopt's `programs` (name -> artifact) and each alternative, timed on the example inputs."""
         raise NotImplementedError
 
     def alternative(self, name: str) -> Any:

@@ -211,22 +211,25 @@ class OrtTarget(Target):
             raise ValueError("the model ran at none of the representative sizes")
         return self.runnable[0][1]
 
-    def whole_key(self, graph: Graph, artifact: OnnxArtifact) -> Any:
+    def whole_key(self, graph: Graph, programs: dict[str, OnnxArtifact]) -> Any:
         from tkopt.cache import digest
 
-        g = artifact.model.graph
-        nodes = [[n.op_type, n.domain, list(n.input), list(n.output),
-                  [str(a) for a in n.attribute  # a fused op's float attributes are 0-d tensors
-                   if a.type != onnx.AttributeProto.TENSOR or n.domain == FUSED_DOMAIN]] for n in g.node]
-        inits = [[t.name, t.data_type, list(t.dims)] for t in g.initializer]
-        return ["whole", digest(nodes, inits)]
+        def model_key(artifact: OnnxArtifact) -> str:
+            g = artifact.model.graph
+            nodes = [[n.op_type, n.domain, list(n.input), list(n.output),
+                      [str(a) for a in n.attribute  # a fused op's float attributes are 0-d tensors
+                       if a.type != onnx.AttributeProto.TENSOR or n.domain == FUSED_DOMAIN]] for n in g.node]
+            inits = [[t.name, t.data_type, list(t.dims)] for t in g.initializer]
+            return digest(nodes, inits)
 
-    def compare_whole(self, graph: Graph, artifact: OnnxArtifact) -> dict[str, Timing]:
+        return ["whole", {name: model_key(a) for name, a in sorted(programs.items())}]
+
+    def compare_whole(self, graph: Graph, programs: dict[str, OnnxArtifact]) -> dict[str, Timing]:
         """The optimized model on its library against the original in plain ORT, at the first size."""
         feeds = self._whole_feeds()
         providers = run.providers(self.arch)
         calls = {}
-        for name, art in (("tkopt", artifact), ("ort", self.alternative("ort"))):
+        for name, art in (*programs.items(), ("ort", self.alternative("ort"))):
             sess = run.session(art.model, art.library, providers)
             calls[name] = run.Bound(sess, feeds, [o.name for o in art.model.graph.output], providers)
         return race(calls)  # ORT returns host arrays: each call is synchronous, perf_counter times it

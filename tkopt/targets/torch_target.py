@@ -85,7 +85,7 @@ class TorchTarget(Target):
         self.wrap = wrap or (lambda gm: gm)
         self.factories = dict(alternatives or {})
         self.built: dict[str, Callable[..., Any]] = {}
-        self.wrapped: tuple[fx.GraphModule, Callable[..., Any]] | None = None
+        self.wrapped: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.inductor = inductor
         self.node_timer = Timer(self.device, runs=20, warmup=1, max_seconds=1.0)
@@ -102,9 +102,9 @@ class TorchTarget(Target):
 
     def runner(self, gm: fx.GraphModule) -> Callable[..., Any]:
         """`wrap(gm)`, made once per module (inductor compiles it at the first call)."""
-        if self.wrapped is None or self.wrapped[0] is not gm:
-            self.wrapped = (gm, self.wrap(gm))
-        return self.wrapped[1]
+        if id(gm) not in self.wrapped:
+            self.wrapped[id(gm)] = (gm, self.wrap(gm))  # the module is held, so its id is not reused
+        return self.wrapped[id(gm)][1]
 
     def fingerprint(self) -> dict[str, Any]:
         if self.device.type == "cuda":
@@ -200,14 +200,14 @@ class TorchTarget(Target):
             self.built[name] = self.factories[name]()
         return self.built[name]
 
-    def whole_key(self, graph: Graph, artifact: fx.GraphModule | None) -> Any:
+    def whole_key(self, graph: Graph, programs: dict[str, fx.GraphModule]) -> Any:
         inputs = [[str(x.dtype), list(x.shape)] if isinstance(x, torch.Tensor) else repr(x) for x in self.flat]
-        return ["whole", None if artifact is None else artifact.code, inputs, sorted(self.factories)]
+        return ["whole", {name: gm.code for name, gm in sorted(programs.items())}, inputs, sorted(self.factories)]
 
-    def compare_whole(self, graph: Graph, artifact: fx.GraphModule | None) -> dict[str, Timing]:
+    def compare_whole(self, graph: Graph, programs: dict[str, fx.GraphModule]) -> dict[str, Timing]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        variants = {} if artifact is None else {"tkopt": self.as_user(self.runner(artifact))}
+        variants = {name: self.as_user(self.runner(gm)) for name, gm in programs.items()}
         with unset_fake_temporarily(), torch.no_grad():
             variants.update((name, self.alternative(name)) for name in self.factories)
             calls = {name: (lambda fn=fn: self.call(fn)) for name, fn in variants.items()}
