@@ -24,11 +24,15 @@ import torch
 import torch.utils._pytree as pytree
 
 
-def signature(flat: Sequence[Any]) -> Hashable:
-    """What a captured graph depends on: every tensor's layout and device, every other value, grad modes."""
+def signature(flat: Sequence[Any], in_place: Callable[[torch.Tensor], bool] = lambda t: False) -> Hashable:
+    """What a captured graph depends on: every tensor's layout and device, every other value, grad modes.
+    Tensors `in_place` accepts (parameters a torch.compile backend is passed, hundreds of them, whose layouts
+    Dynamo's guards fix) count by position only: a captured graph checks their addresses itself."""
     parts: list[Hashable] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     for x in flat:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and in_place(x):
+            parts.append("in place")
+        elif isinstance(x, torch.Tensor):
             parts.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
         else:
             parts.append(("value", type(x).__name__, repr(x)))
@@ -73,6 +77,8 @@ class CapturedCall:
         self.kept = {i: x.data_ptr() for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and in_place(x)}
         self.static = [x.clone() if isinstance(x, torch.Tensor) and i not in self.kept else x
                        for i, x in enumerate(flat)]
+        # what each call copies in: (index, static copy), the in-place inputs left out (a model passes hundreds)
+        self.copied = [(i, x) for i, x in enumerate(self.static) if isinstance(x, torch.Tensor) and i not in self.kept]
         args, kwargs = pytree.tree_unflatten(self.static, spec)
         device = next(x.device for x in flat if isinstance(x, torch.Tensor))
         self.graph, out = capture(lambda: fn(*args, **kwargs), device)
@@ -83,9 +89,8 @@ class CapturedCall:
         return all(flat[i].data_ptr() == ptr for i, ptr in self.kept.items())
 
     def __call__(self, flat: Sequence[Any]) -> Any:
-        for i, (dst, src) in enumerate(zip(self.static, flat, strict=True)):
-            if isinstance(dst, torch.Tensor) and i not in self.kept:
-                dst.copy_(src)
+        for i, dst in self.copied:
+            dst.copy_(flat[i])
         self.graph.replay()
         fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs]
         return pytree.tree_unflatten(fresh, self.out_spec)

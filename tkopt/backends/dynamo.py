@@ -134,13 +134,24 @@ def replay_as_cuda_graphs(fn: Callable[..., Any], owner: fx.GraphModule) -> Call
     call ran uncaptured."""
     cache = GraphCache()
     owner.tkopt_graphs = cache
+    specs: dict[int, pytree.TreeSpec] = {}  # per argument count, where the arguments are pytree leaves
+
+    def parameter(t: torch.Tensor) -> bool:
+        return isinstance(t, nn.Parameter)
 
     def run(*args: Any) -> Any:
         owner.tkopt_uncaptured_reason = capturable(args, owner)
         if owner.tkopt_uncaptured_reason is not None:
             return fn(*args)
-        flat, spec = pytree.tree_flatten((args, {}))
-        return cache(signature(flat), fn, flat, spec, in_place=lambda t: isinstance(t, nn.Parameter))
+        # Dynamo passes tensors and ints, each a pytree leaf: flattening hundreds of them on every call only
+        # costs, so the spec is made once per argument count.
+        spec = specs.get(len(args))
+        flat: Sequence[Any] = args
+        if spec is None:
+            flat, spec = pytree.tree_flatten((args, {}))
+            if len(flat) == len(args) and all(a is b for a, b in zip(flat, args, strict=True)):
+                specs[len(args)] = spec
+        return cache(signature(flat, parameter), fn, flat, spec, in_place=parameter)
 
     return run
 
