@@ -135,10 +135,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def cuda_median_ms(fn: Callable[[], Any], runs: int, warmup: int) -> float:
-    """Median of per-call CUDA-event times after `warmup` calls (perf_counter on the CPU smoke run)."""
-    for _ in range(warmup):
+def cuda_median_ms(fn: Callable[[], Any], runs: int, warmup: int, warm_s: float = 0.0) -> float:
+    """Median of per-call CUDA-event times after `warmup` calls and at least `warm_s` seconds of calls
+    (perf_counter on the CPU smoke run). The seconds matter after a compile: the GPU idled through it, and a
+    few calls of a sub-millisecond model do not bring its clocks back (an eager anchor timed first read 0.36
+    ms against 0.23 ms for the same module timed later in the same run)."""
+    start = time.perf_counter()
+    done = 0
+    while done < warmup or time.perf_counter() - start < warm_s:
         fn()
+        done += 1
+        if done % 10 == 0:
+            _sync()
     if DEVICE == "cpu":
         times = []
         for _ in range(runs):
@@ -234,7 +242,8 @@ def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dic
                 err = (got.float() - want).abs().max().item()
                 v["max_rel_err"] = err / max(want.abs().max().item(), 1e-30)
                 sets = itertools.cycle((inputs, alt))
-                v["median_ms"] = cuda_median_ms(lambda fn=fn, sets=sets: fn(*next(sets)), args.runs, args.warmup)
+                v["median_ms"] = cuda_median_ms(lambda fn=fn, sets=sets: fn(*next(sets)), args.runs, args.warmup,
+                                                args.warm_s)
                 if args.profile:
                     v["profile"] = profile(lambda fn=fn: fn(*inputs))
                 if name in TKOPT:
@@ -327,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", choices=[*ANCHORS, *TKOPT], default=[*ANCHORS, *TKOPT])
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warm-s", type=float, default=2.0, help="seconds of calls before timing each variant")
     p.add_argument("--profile", action="store_true", help="split each variant's GPU time by kernel family")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 smoke run of the script only")
     args = p.parse_args(argv)
