@@ -10,36 +10,20 @@ run at is skipped and named, and if it runs at none the check is skipped with th
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tkopt.accuracy import Accuracy, OutputError, output_error
+from tkopt.input_sizes import DimRange, resize_inputs, torch_dims
 
 Feeds = Mapping[str, Any]
 
 
 class AccuracyError(RuntimeError):
     """The fused model's outputs do not match the original's within tolerance."""
-
-
-@dataclass(frozen=True)
-class DimRange:
-    """A symbolic dim: its example size and the sizes it admits (hi None: unbounded)."""
-
-    example: int
-    lo: int = 1
-    hi: int | None = None
-
-    def candidates(self) -> list[int]:
-        """The example's size, the smallest admitted, an odd one, and one longer than the example."""
-        lo, hi = max(self.lo, 1), self.hi if self.hi is not None else math.inf
-        odd = next((v for v in (3, 5, 7, 9, 11, 13) if v != self.example and lo <= v <= hi), self.example)
-        return [self.example, lo, odd, int(min(2 * self.example + 3, hi))]
 
 
 def trial_sizes(dims: Mapping[Hashable, DimRange]) -> list[dict[Hashable, int]]:
@@ -120,49 +104,6 @@ def onnx_dims(model: Any) -> dict[str, DimRange]:
 
 
 # ---- torch (tkopt.compile) ----------------------------------------------------------------------
-def torch_dims(examples: Sequence[Any], flat: Sequence[Any], ranges: Mapping[Any, Any]) -> dict[Any, DimRange]:
-    """Each input dim that is a plain symbol in the exported program, with its example size and
-    torch.export's range for it."""
-    import sympy
-    import torch
-
-    dims: dict[Any, DimRange] = {}
-    for ex, x in zip(examples, flat, strict=True):
-        if not isinstance(ex, torch.Tensor):
-            continue
-        for want, got in zip(ex.shape, x.shape, strict=True):
-            if isinstance(want, torch.SymInt) and isinstance(want.node.expr, sympy.Symbol):
-                vr = ranges.get(want.node.expr)
-                lo = _bound(vr.lower) if vr is not None else None
-                hi = _bound(vr.upper) if vr is not None else None
-                dims.setdefault(want.node.expr, DimRange(int(got), lo or 1, hi))
-    return dims
-
-
-def _bound(v: Any) -> int | None:
-    """A range bound as an int; None for torch's and sympy's infinities."""
-    import sympy
-    from torch.utils._sympy.numbers import int_oo
-
-    return None if v in (int_oo, -int_oo, sympy.oo, -sympy.oo) else int(v)
-
-
-def _resized(x: Any, shape: list[int], gen: Any) -> Any:
-    """An input of a new size like `x`: fresh normal values for float data, `x` tiled and cut for
-    ids, masks and other data whose values mean something (integers, bools, few distinct floats)."""
-    import torch
-
-    if list(x.shape) == shape:
-        return x
-    if x.is_floating_point() and x.numel() > 2 and torch.unique(x).numel() > 2:
-        std, mean = x.float().std(), x.float().mean()
-        return (torch.randn(shape, generator=gen) * std + mean).to(device=x.device, dtype=x.dtype)
-    if x.numel() == 0:
-        return x.new_zeros(shape)
-    reps = [max(1, -(-n // max(o, 1))) for n, o in zip(shape, x.shape, strict=True)]
-    return x.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()
-
-
 def check_module(
     eager: Callable[..., Any],
     fused: Callable[..., Any],
@@ -184,17 +125,9 @@ def check_module(
     with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [x for _, x in with_paths]
     names = [("args" if p[0].idx == 0 else "kwargs") + pytree.keystr(p[1:]) for p, _ in with_paths]
-    dims = torch_dims(examples, flat, ranges)
     gen = torch.Generator().manual_seed(seed)
-    feeds: list[dict[str, Any]] = []
-    for sizes in trial_sizes(dims):
-        new = []
-        for ex, x in zip(examples, flat, strict=True):
-            if isinstance(ex, torch.Tensor):
-                shape = [int(d.node.expr.subs(sizes)) if isinstance(d, torch.SymInt) else int(d) for d in ex.shape]
-                x = _resized(x, shape, gen)
-            new.append(x)
-        feeds.append(dict(zip(names, new, strict=True)))
+    feeds = [dict(zip(names, resize_inputs(examples, flat, sizes, gen), strict=True))
+             for sizes in trial_sizes(torch_dims(examples, flat, ranges))]
     dtypes: dict[str, str] = {}
 
     def call(fn: Callable[..., Any]) -> Callable[[Feeds], dict[str, np.ndarray]]:

@@ -9,6 +9,21 @@ still adds what the entry point runs around the fused nodes (inductor, CUDA grap
 their real inputs: the original graph runs once on the example inputs (torch.fx.Interpreter) to capture
 them. The whole graph is timed through the same call path the user's calls take, alternating with the
 alternatives (measure.race).
+
+Sizes: tkopt.compile exports with dynamic shapes, so one specialization serves every size its symbolic
+dims admit, and a fusion that wins at a small example can lose at the sizes the user then runs (a kernel
+tuned for few rows against cuBLAS, inductor or MLAS at many). Where the graph's inputs have symbolic dims,
+a node that wins at the example inputs is measured again at one larger size (`larger_sizes`): every
+symbolic dim scaled by one factor, so that the inputs hold about GROWTH times the example's elements (16x:
+batch and sequence 4x each, a lone batch dim 16x), each within the range torch.export admits for it. It
+is kept only if it wins at both. One size, not several: the example already stands for small sizes, where
+a fused node, fewer launches, is at its best; a larger one is where it loses. Its inputs are the example
+inputs resized along the symbolic dims (tkopt.input_sizes), and the original graph runs there to capture
+the node's inputs, once, and only when some node won at the example; a size the model cannot run at (a
+bound export did not see, memory) is skipped with a warning naming it. Per node that won at the example
+this costs one more comparison (node_timer: at most about a second a side) and, with inductor, one more
+compile of what it replaces; a node that lost costs nothing more, and static graphs are measured once, as
+before. The whole graph is raced at the example inputs only.
 """
 
 from __future__ import annotations
@@ -16,9 +31,11 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
@@ -28,12 +45,25 @@ from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
 from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import run_kernel, schema, use_kernels
+from tkopt.input_sizes import resize_inputs, shape_ranges, torch_dims
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels.tuning import shape_bucket
 from tkopt.measure import Timer, Timing, compare, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
 from .kernel_builds import DTYPES, input_specs, prebuild, probe_inputs, record_built
+
+GROWTH = 16  # the larger size's inputs hold about this many times the example's elements (module docstring)
+
+
+@dataclass
+class Size:
+    """Inputs a fused node is measured at: how labels name them, the symbols' sizes there (empty: the example
+    inputs of a static graph), and the flat inputs."""
+
+    label: str
+    dims: dict[Any, int]
+    flat: list[Any]
 
 
 def first_device(values: Sequence[Any]) -> torch.device:
@@ -92,6 +122,7 @@ class TorchTarget(Target):
         self.build_workers = build_workers  # worker interpreters building kernels (None: one per core but one)
         self.as_user = as_user or (lambda run: run)
         self.call = call or (lambda fn: fn(*self.args, **self.kwargs))
+        self.sized: dict[int, tuple[fx.GraphModule, list[Size]]] = {}  # per graph module: its sizes (`sizes`)
 
     @property
     def where(self) -> str:
@@ -142,23 +173,56 @@ class TorchTarget(Target):
         return None
 
     # ---- measurement ------------------------------------------------------------------------------
+    def sizes(self, gm: fx.GraphModule) -> list[Size]:
+        """The example inputs, and where the graph has symbolic input dims, the larger size (module docstring)."""
+        if id(gm) not in self.sized:
+            placeholders = gm.graph.find_nodes(op="placeholder")
+            self.sized[id(gm)] = (gm, larger_sizes(placeholders, self.flat))  # the module is held: its id stays its own
+        return self.sized[id(gm)][1]
+
     def node_key(self, graph: Graph, node: Node) -> Any:
+        """Static dims as they are; a dynamic dim as its shape bucket at each size measured (`sizes`)."""
+        dims = [size.dims for size in self.sizes(graph.meta["fx_module"])[1:]]
         return [node.op, schema(node.op).full_attrs(node.attrs), replaced_signature(node),
-                [None if v is None else [v.dtype, _shape_key(v)] for v in node.inputs]]
+                [None if v is None else [v.dtype, _shape_key(v, dims)] for v in node.inputs]]
 
     def measure(self, graph: Graph, nodes: list[Node], wins: Wins) -> Iterator[Measured]:
+        """Each node at each size (`sizes`) until it loses at one; a size's inputs are captured when first needed."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         gm: fx.GraphModule = graph.meta["fx_module"]
-        with unset_fake_temporarily(), torch.no_grad():
-            values = capture_values(gm, nodes, self.flat)
-            for n in nodes:
-                yield self._measure(gm, n, values, wins)
+        sizes = self.sizes(gm)
+        captured: dict[int, dict[fx.Node, Any] | None] = {}  # per size; None: the model does not run there
 
-    def _measure(self, gm: fx.GraphModule, n: Node, values: Mapping[fx.Node, Any], wins: Wins) -> Measured:
-        """`n` against its replaced nodes run eagerly; with inductor, then against inductor's code for them, but
-        only if the fused op beat eager: inductor's code for a subgraph is in practice no slower than ATen's,
-        so a node that loses to eager would lose to inductor too, and its compile (seconds each) buys nothing."""
+        def values(i: int) -> dict[fx.Node, Any] | None:
+            if i not in captured:
+                try:
+                    captured[i] = capture_values(gm, nodes, sizes[i].flat)
+                except Exception as e:  # noqa: BLE001 - the example inputs run (they were exported); others may not
+                    if i == 0:
+                        raise
+                    captured[i] = None
+                    warnings.warn(f"tkopt: fusions on {self.where} are not measured at {sizes[i].label}: the model "
+                                  f"does not run there ({type(e).__name__}: {next(iter(str(e).splitlines()), '')})",
+                                  stacklevel=3)
+            return captured[i]
+
+        with unset_fake_temporarily(), torch.no_grad():
+            for n in nodes:
+                m = Measured(n)
+                for i, size in enumerate(sizes):
+                    at = values(i)
+                    if at is not None and not self._measure(gm, n, at, wins, size.label, m):
+                        break
+                yield m
+
+    def _measure(self, gm: fx.GraphModule, n: Node, values: Mapping[fx.Node, Any], wins: Wins, label: str,
+                 m: Measured) -> bool:
+        """`n` at one size (`values`: what the graph computes there; `label`: how it is named) against its
+        replaced nodes run eagerly; with inductor, then against inductor's code for them, but only if the
+        fused op beat eager: inductor's code for a subgraph is in practice no slower than ATen's, so a node
+        that loses to eager would lose to inductor too, and its compile (seconds each) buys nothing. Adds
+        the timings to `m` (or the error); returns whether `n` won at this size."""
         try:
             ins = [None if v is None else input_tensor(v, values, self.device) for v in n.inputs]
             tiny, tiny_args = replaced_module(gm, n, values)
@@ -168,22 +232,25 @@ class TorchTarget(Target):
             fused = replayed(lambda: op(*d.padded(ins), *attrs), self.device)
             pair = compare(fused, replayed(lambda: tiny(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - a kernel that fails at the real shapes is not kept
-            return Measured(n, error=f"{type(e).__name__}: {e}")
-        m = Measured(n, [pair], ["example inputs, against eager"])
+            at = "" if not m.sizes else f"at {label}: "
+            m.error = f"{at}{type(e).__name__}: {e}"
+            return False
+        m.sizes.append(pair)
+        m.labels.append(f"{label}, against eager")
         if not self.inductor or not wins(*pair):
-            return m
+            return wins(*pair)
         try:
             with torch._guards.tracing(None):  # static code for these shapes, apart from a compile in progress
                 compiled = inductor.compile_graph(tiny, tiny_args)
             pair = compare(fused, replayed(lambda: compiled(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - the entry point runs eager code where inductor fails
-            warnings.warn(f"tkopt: inductor failed on what {n.name} ({n.op}) replaces ({type(e).__name__}: "
-                          f"{next(iter(str(e).splitlines()), '')}); "
-                          "it is decided against eager", stacklevel=2)
-            return m
+            warnings.warn(f"tkopt: inductor failed on what {n.name} ({n.op}) replaces at {label} "
+                          f"({type(e).__name__}: {next(iter(str(e).splitlines()), '')}); "
+                          "it is decided against eager", stacklevel=3)
+            return True
         m.sizes.append(pair)
-        m.labels.append("example inputs, against inductor")
-        return m
+        m.labels.append(f"{label}, against inductor")
+        return wins(*pair)
 
     # ---- emit and the whole graph -----------------------------------------------------------------
     def emit(self, graph: Graph) -> fx.GraphModule:
@@ -233,17 +300,63 @@ def _hint(d: Any) -> int | None:
         return None
 
 
-def _shape_key(v: Value) -> list[Any] | None:
-    """The value's shape at the example inputs, dynamic dims as shape buckets ("?" where unknown)."""
+def _shape_key(v: Value, larger: Sequence[Mapping[Any, int]] = ()) -> list[Any] | None:
+    """The value's shape: static dims as they are; a dynamic dim as its shape bucket at the example inputs
+    ("?" where unknown), and where `larger` sizes of the symbols are measured too, [that, its bucket at each]."""
     if v.shape is None:
         return None
     val = node_val(v.origin) if isinstance(v.origin, fx.Node) else None
     real = list(val.shape) if isinstance(val, torch.Tensor) and val.dim() == len(v.shape) else list(v.shape)
     out: list[Any] = []
     for ir_dim, d in zip(v.shape, real, strict=True):
+        if isinstance(ir_dim, int):
+            out.append(ir_dim)
+            continue
         size = _hint(d)
-        out.append(ir_dim if isinstance(ir_dim, int) else "?" if size is None else shape_bucket(size))
+        bucket = "?" if size is None else shape_bucket(size)
+        out.append([bucket, *(_bucket_at(d, dims) for dims in larger)] if larger else bucket)
     return out
+
+
+def _bucket_at(d: Any, dims: Mapping[Any, int]) -> Any:
+    """The shape bucket of dim `d` where the symbols have the sizes `dims` ("?" where it reads others)."""
+    if isinstance(d, int):
+        return shape_bucket(d)
+    expr = d.node.expr if isinstance(d, torch.SymInt) else None
+    if expr is None or not expr.free_symbols <= dims.keys():
+        return "?"
+    return shape_bucket(int(expr.subs(dims)))
+
+
+def larger_sizes(placeholders: Sequence[fx.Node], flat: Sequence[Any]) -> list[Size]:
+    """The sizes to measure a graph's nodes at: the example inputs (`flat`, one per placeholder), and where
+    the placeholders' values have symbolic dims, the larger size (module docstring). Labels name the inputs
+    that hold those dims, with their shapes there."""
+    examples = [node_val(p) for p in placeholders]
+    dims = torch_dims(examples, flat, shape_ranges(examples)) if len(examples) == len(flat) else {}
+    if not dims:
+        return [Size("example inputs", {}, list(flat))]
+    example = {s: r.example for s, r in dims.items()}
+    larger = {s: r.scaled(GROWTH ** (1 / len(dims))) for s, r in dims.items()}
+    out = [Size(f"example inputs ({_shapes(placeholders, examples, flat)})", example, list(flat))]
+    if larger != example:
+        resized = resize_inputs(examples, flat, larger, torch.Generator().manual_seed(0))
+        out.append(Size(f"larger inputs ({_shapes(placeholders, examples, resized)})", larger, resized))
+    return out
+
+
+def _shapes(placeholders: Sequence[fx.Node], examples: Sequence[Any], flat: Sequence[Any]) -> str:
+    """'x 8x64, mask 8x64': the shapes in `flat` of the first inputs that hold each input symbol."""
+    named: list[str] = []
+    seen: set[Any] = set()
+    for p, ex, x in zip(placeholders, examples, flat, strict=True):
+        if not isinstance(ex, torch.Tensor) or not isinstance(x, torch.Tensor):
+            continue
+        syms = {d.node.expr for d in ex.shape if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol)}
+        if syms - seen:
+            seen |= syms
+            named.append(f"{p.name} {'x'.join(map(str, x.shape))}")
+    return ", ".join(named)
 
 
 def _probe_key(n: Node) -> tuple:

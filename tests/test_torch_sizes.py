@@ -1,0 +1,149 @@
+"""Measured selection on the torch targets at more than the example's size: one specialization of a dynamic
+export serves every size its dims admit, so a fused node is kept only if it also wins at a larger size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import tkopt
+from tkopt.backends.torch_ops import CUSTOM_OPS
+from tkopt.frontends.fx import import_fx
+from tkopt.kernels.tuning import shape_bucket
+from tkopt.passes.pipeline import run_passes
+from tkopt.pipeline import MARGIN, _apply, _entry
+from tkopt.report import NodeDecision
+from tkopt.targets.torch_target import TorchTarget
+
+AUTO = {0: Dim.AUTO, 1: Dim.AUTO, 2: Dim.AUTO}
+EXAMPLE = "example inputs (x 2x8x32)"
+LARGER = "larger inputs (x 8x32x32)"  # batch and sequence 4x each: 16x the elements
+
+
+class _LinearAddNorm(nn.Module):
+    """A GEMM (FusedGemm) feeding a residual add + LayerNorm (FusedAddNorm)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.linear(h))
+
+
+def _fused(dynamic: bool):
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
+    ep = torch.export.export(_LinearAddNorm(32).eval(), inputs, dynamic_shapes=(AUTO, AUTO) if dynamic else None)
+    graph = import_fx(ep)
+    run_passes(graph, ())
+    return graph, next(n for n in graph.nodes if n.op == "FusedAddNorm"), inputs
+
+
+@pytest.fixture
+def timed_shapes(monkeypatch) -> list[list[tuple[int, ...]]]:
+    """The input shapes of every call of the add + norm's custom op (the real op still runs)."""
+    real = CUSTOM_OPS["FusedAddNorm"]
+    seen: list[list[tuple[int, ...]]] = []
+
+    def spy(*args):
+        seen.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        return real(*args)
+
+    monkeypatch.setitem(CUSTOM_OPS, "FusedAddNorm", spy)
+    return seen
+
+
+def test_a_dynamic_export_is_measured_at_the_example_and_a_larger_size(monkeypatch, timed_shapes) -> None:
+    """Symbolic batch and sequence: the node is timed at the example inputs, then at 4x each (the inputs hold
+    16x the elements), on the values the original graph computes there; the labels name both sizes."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    graph, norm, inputs = _fused(dynamic=True)
+    with torch.no_grad():
+        [m] = TorchTarget(inputs).measure(graph, [norm], lambda fused, unfused: True)
+    assert m.error is None
+    assert m.labels == [f"{EXAMPLE}, against eager", f"{LARGER}, against eager"]
+    assert {shapes[0] for shapes in timed_shapes} == {(2, 8, 32), (8, 32, 32)}
+    assert timed_shapes[-1][:2] == [(8, 32, 32), (8, 32, 32)]  # the residual and the GEMM's output
+
+
+def test_a_node_that_loses_at_the_larger_size_is_not_kept(monkeypatch, timed_shapes) -> None:
+    """A node that wins at the example and loses at the larger size: measuring stops there, and the decision
+    names the size it lost at. The rule (pipeline._wins) lets only the first timing win, so the outcome does
+    not hang on how TileLang's serial CPU kernels compare with ATen."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    first: list[object] = []
+
+    def wins_first(fused, unfused) -> bool:
+        first.append(first[0] if first else fused)
+        return fused is first[0]
+
+    monkeypatch.setattr("tkopt.pipeline._wins", wins_first)
+    graph, norm, inputs = _fused(dynamic=True)
+    target = TorchTarget(inputs, inductor=True)
+    with torch.no_grad():
+        [m] = target.measure(graph, [norm], wins_first)
+    # won against eager at the example, so against inductor there too: only the first timing wins, so it lost
+    assert m.labels == [f"{EXAMPLE}, against eager", f"{EXAMPLE}, against inductor"]
+    first.clear()
+    target.inductor = False
+    with torch.no_grad():
+        [m] = target.measure(graph, [norm], wins_first)
+    assert m.labels == [f"{EXAMPLE}, against eager", f"{LARGER}, against eager"]
+    d = NodeDecision(norm.name, norm.op, "add_norm", len(norm.replaced))
+    first.clear()
+    _apply(d, _entry(m), cached=False)
+    assert d.decision == "slower" and d.reason == f"under {MARGIN:.2f}x at {LARGER}, against eager"
+    assert (d.fused_ms, d.unfused_ms) == (m.sizes[1][0].min_ms, m.sizes[1][1].min_ms)
+
+
+def test_a_static_export_is_measured_once_at_the_example(monkeypatch, timed_shapes) -> None:
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    graph, norm, inputs = _fused(dynamic=False)
+    target = TorchTarget(inputs)
+    with torch.no_grad():
+        [m] = target.measure(graph, [norm], lambda fused, unfused: True)
+    assert m.labels == ["example inputs, against eager"]
+    assert {shapes[0] for shapes in timed_shapes} == {(2, 8, 32)}
+    assert target.node_key(graph, norm)[3][0] == ["float32", [2, 8, 32]]
+
+
+def test_the_decision_key_names_every_size_measured() -> None:
+    """A dynamic dim's key is its shape bucket at each size measured: a decision measured at the example alone
+    (an older tkopt, or an example whose dims are at the top of their range) is not read as one measured at
+    both; a static export's key is as before."""
+    graph, norm, inputs = _fused(dynamic=True)
+    x = TorchTarget(inputs).node_key(graph, norm)[3][0]
+    assert x == ["float32", [[shape_bucket(2), shape_bucket(8)], [shape_bucket(8), shape_bucket(32)], 32]]
+
+
+def test_tkopt_compile_measures_at_both_sizes_and_reuses_the_decisions(tmp_path, monkeypatch) -> None:
+    """tkopt.compile (a dynamic export by default), every node made to win (no margin): each decision records
+    both sizes, and a second compile of the same model measures nothing."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("tkopt.pipeline.MARGIN", 0.0)
+    torch.manual_seed(0)
+    model = _LinearAddNorm(32).eval()
+    inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
+    fast = tkopt.compile(model, inputs)
+    nodes = fast.tkopt_report.nodes
+    assert {d.op for d in nodes} == {"FusedGemm", "FusedAddNorm"}
+    assert all(d.decision in ("kept", "declined") and not d.cached for d in nodes), nodes
+    entries = [e for e in json.loads((tmp_path / "select-torch-cpu.json").read_text()).values() if "sizes" in e]
+    assert len(entries) == 2
+    for entry in entries:  # tkopt.compile's export names the first positional argument args_0
+        assert [s["label"] for s in entry["sizes"]] == [
+            "example inputs (args_0 2x8x32), against eager", "larger inputs (args_0 8x32x32), against eager"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although every decision was cached")
+
+    monkeypatch.setattr(TorchTarget, "measure", refuse)
+    again = tkopt.compile(model, inputs)
+    assert all(d.cached for d in again.tkopt_report.nodes)

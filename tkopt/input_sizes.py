@@ -1,0 +1,108 @@
+"""Torch inputs at new sizes along the symbolic dims an exported graph admits.
+
+One specialization of an exported graph serves every size its symbolic dims admit, so what is checked on
+it (the accuracy check, tkopt.differential) and what is measured for it (measured selection on the torch
+targets) runs at sizes other than the example's. Here: each plain symbol of the inputs' shapes with its
+example size and admitted range, and the example inputs remade at a new assignment of those symbols.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """A symbolic dim: its example size and the sizes it admits (hi None: unbounded)."""
+
+    example: int
+    lo: int = 1
+    hi: int | None = None
+
+    def candidates(self) -> list[int]:
+        """The example's size, the smallest admitted, an odd one, and one longer than the example."""
+        lo, hi = max(self.lo, 1), self.hi if self.hi is not None else math.inf
+        odd = next((v for v in (3, 5, 7, 9, 11, 13) if v != self.example and lo <= v <= hi), self.example)
+        return [self.example, lo, odd, int(min(2 * self.example + 3, hi))]
+
+    def scaled(self, factor: float) -> int:
+        """The example's size times `factor` (rounded up), within the admitted range."""
+        size = math.ceil(self.example * factor)
+        return max(self.lo, size if self.hi is None else min(size, self.hi))
+
+
+def torch_dims(examples: Sequence[Any], flat: Sequence[Any], ranges: Mapping[Any, Any]) -> dict[Any, DimRange]:
+    """Each input dim that is a plain symbol in the exported program, with its example size and
+    torch.export's range for it (`ranges`: symbol -> ValueRanges). `examples` are the graph's placeholder
+    values (FakeTensors with symbolic dims), `flat` the real inputs."""
+    dims: dict[Any, DimRange] = {}
+    for ex, x in zip(examples, flat, strict=True):
+        if not isinstance(ex, torch.Tensor) or not isinstance(x, torch.Tensor):
+            continue
+        for want, got in zip(ex.shape, x.shape, strict=True):
+            if isinstance(want, torch.SymInt) and isinstance(want.node.expr, sympy.Symbol):
+                vr = ranges.get(want.node.expr)
+                lo = _bound(vr.lower) if vr is not None else None
+                hi = _bound(vr.upper) if vr is not None else None
+                dims.setdefault(want.node.expr, DimRange(int(got), lo or 1, hi))
+    return dims
+
+
+def shape_ranges(examples: Sequence[Any]) -> Mapping[Any, Any]:
+    """The admitted range of every symbol, from the shape environment the examples were traced in (the
+    same ranges torch.export reports as range_constraints; Dynamo's for a torch.compile graph)."""
+    for ex in examples:
+        env = getattr(getattr(ex, "fake_mode", None), "shape_env", None)
+        if env is not None:
+            return env.var_to_range
+    return {}
+
+
+def _bound(v: Any) -> int | None:
+    """A range bound as an int; None for torch's and sympy's infinities."""
+    from torch.utils._sympy.numbers import int_oo
+
+    return None if v in (int_oo, -int_oo, sympy.oo, -sympy.oo) else int(v)
+
+
+def resized(x: torch.Tensor, shape: list[int], gen: torch.Generator) -> torch.Tensor:
+    """An input of a new size like `x`: fresh normal values for float data, `x` tiled and cut for
+    ids, masks and other data whose values mean something (integers, bools, few distinct floats)."""
+    if list(x.shape) == shape:
+        return x
+    if x.is_floating_point() and x.numel() > 2 and torch.unique(x).numel() > 2:
+        std, mean = x.float().std(), x.float().mean()
+        return (torch.randn(shape, generator=gen) * std + mean).to(device=x.device, dtype=x.dtype)
+    if x.numel() == 0:
+        return x.new_zeros(shape)
+    reps = [max(1, -(-n // max(o, 1))) for n, o in zip(shape, x.shape, strict=True)]
+    return x.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()
+
+
+def resize_inputs(examples: Sequence[Any], flat: Sequence[Any], sizes: Mapping[Any, int],
+                  gen: torch.Generator) -> list[Any]:
+    """`flat` (the real inputs, one per example) with every symbolic dim at its size in `sizes`: tensors
+    remade (`resized`), ints traced as symbols set. Shapes that are expressions of the symbols (2*s0)
+    follow them."""
+
+    def size(want: Any, got: int) -> int:
+        """`want`'s size under `sizes`; `got` (the example's) where it reads a symbol not in `sizes`."""
+        if not isinstance(want, torch.SymInt):
+            return int(want)
+        expr = want.node.expr
+        return int(expr.subs(sizes)) if expr.free_symbols <= sizes.keys() else got
+
+    out = []
+    for ex, x in zip(examples, flat, strict=True):
+        if isinstance(ex, torch.Tensor) and isinstance(x, torch.Tensor):
+            x = resized(x, [size(want, got) for want, got in zip(ex.shape, x.shape, strict=True)], gen)
+        elif isinstance(ex, torch.SymInt) and type(x) is int:
+            x = size(ex, x)
+        out.append(x)
+    return out
