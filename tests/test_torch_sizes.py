@@ -4,6 +4,7 @@ export serves every size its dims admit, so a fused node is kept only if it also
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from tkopt.targets.torch_target import TorchTarget
 AUTO = {0: Dim.AUTO, 1: Dim.AUTO, 2: Dim.AUTO}
 EXAMPLE = "example inputs (x 2x8x32)"
 LARGER = "larger inputs (x 8x32x32)"  # batch and sequence 4x each: 16x the elements
+LARGER_RE = re.escape(LARGER)
 
 
 class _LinearAddNorm(nn.Module):
@@ -147,3 +149,34 @@ def test_tkopt_compile_measures_at_both_sizes_and_reuses_the_decisions(tmp_path,
     monkeypatch.setattr(TorchTarget, "measure", refuse)
     again = tkopt.compile(model, inputs)
     assert all(d.cached for d in again.tkopt_report.nodes)
+
+
+class _Positions(nn.Module):
+    """Learned positions for 16 tokens (GPT-2's wpe, looked up by arange): torch.export cannot bound the
+    sequence by them, so it admits any length, and the model fails beyond 16."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(16, hidden)
+        self.block = _LinearAddNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.positions(torch.arange(x.shape[1]))
+        return self.block(h, h)
+
+
+def test_a_size_the_model_cannot_run_at_is_skipped_and_named(monkeypatch, timed_shapes) -> None:
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 8, 32),)
+    graph = import_fx(torch.export.export(_Positions(32).eval(), inputs, dynamic_shapes=(AUTO,)))
+    run_passes(graph, ())
+    norm = next(n for n in graph.nodes if n.op == "FusedAddNorm")
+    target = TorchTarget(inputs)
+    larger = target.sizes(graph.meta["fx_module"])[1].label
+    assert larger == LARGER
+    with torch.no_grad(), pytest.warns(UserWarning, match=rf"not measured at {LARGER_RE}: the model does not run "
+                                                         r"there \(IndexError: index out of range"):
+        [m] = target.measure(graph, [norm], lambda fused, unfused: True)
+    assert m.error is None and m.labels == [f"{EXAMPLE}, against eager"]
+    assert {shapes[0] for shapes in timed_shapes} == {(2, 8, 32)}

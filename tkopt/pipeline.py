@@ -9,7 +9,8 @@ sealed; here the report is made.
 2. kernels: the target builds each candidate's kernel (not those the decision cache already declines); a
    node whose kernel fails runs unfused, with a warning.
 3. select: "all" keeps every candidate with a kernel. "measured" times each against what it replaces on the
-   target, at its real shapes, and keeps it only if it is at least MARGIN faster; decisions are cached on
+   target, at its real shapes (for dynamic dims, also at a larger size the target picks), and keeps it only
+   if it is at least MARGIN faster at every size measured; decisions are cached on
    disk (tkopt.decisions), the time spent is bounded (TKOPT_SELECT_SECONDS) and shown (tkopt.progress).
 4. seal: drop what only the unfused fallbacks read.
 5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
