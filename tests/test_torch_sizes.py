@@ -180,3 +180,31 @@ def test_a_size_the_model_cannot_run_at_is_skipped_and_named(monkeypatch, timed_
         [m] = target.measure(graph, [norm], lambda fused, unfused: True)
     assert m.error is None and m.labels == [f"{EXAMPLE}, against eager"]
     assert {shapes[0] for shapes in timed_shapes} == {(2, 8, 32)}
+
+
+class _Causal(nn.Module):
+    """A causal mask sliced from a 16-row buffer, as GPT-2 blocks do: torch.export admits a sequence in [2, 16]
+    but guards against 16 itself, a hole its range cannot say."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(16, 16)))
+        self.block = _LinearAddNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        return self.block(self.bias[:t, :t] @ x, x)
+
+
+def test_a_size_the_export_guards_refuse_shrinks_toward_the_example() -> None:
+    """4x batch and sequence would be 8x16 (the sequence at the top of its range), which the guards refuse, as
+    they do 6x16 and 4x16; the growth halves until they take one: 3x12."""
+    from tkopt.targets.torch_target import _guards_refuse
+
+    inputs = (torch.randn(2, 8, 32),)
+    gm = import_fx(torch.export.export(_Causal(32).eval(), inputs, dynamic_shapes=(AUTO,))).meta["fx_module"]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    assert "Guard failed" in _guards_refuse(gm, placeholders, [torch.randn(8, 16, 32)])
+    sizes = TorchTarget(inputs).sizes(gm)
+    assert [s.label for s in sizes] == [EXAMPLE, "larger inputs (x 3x12x32)"]
+    assert _guards_refuse(gm, placeholders, sizes[1].flat) is None

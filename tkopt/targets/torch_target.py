@@ -12,15 +12,16 @@ alternatives (measure.race).
 
 Sizes: tkopt.compile exports with dynamic shapes, so one specialization serves every size its symbolic
 dims admit, and a fusion that wins at a small example can lose at the sizes the user then runs (a kernel
-tuned for few rows against cuBLAS, inductor or MLAS at many). Where the graph's inputs have symbolic dims,
+tuned for few rows against cuBLAS or inductor at many). Where the graph's inputs have symbolic dims,
 a node that wins at the example inputs is measured again at one larger size (`larger_sizes`): every
 symbolic dim scaled by one factor, so that the inputs hold about GROWTH times the example's elements (16x:
 batch and sequence 4x each, a lone batch dim 16x), each within the range torch.export admits for it. It
 is kept only if it wins at both. One size, not several: the example already stands for small sizes, where
 a fused node, fewer launches, is at its best; a larger one is where it loses. Its inputs are the example
 inputs resized along the symbolic dims (tkopt.input_sizes), and the original graph runs there to capture
-the node's inputs, once, and only when some node won at the example; a size the model cannot run at (a
-bound export did not see, memory) is skipped with a warning naming it. Per node that won at the example
+the node's inputs, once, and only when some node won at the example. A size the export's guards refuse
+is shrunk toward the example (`larger_sizes`); one the model cannot run at (a bound the export did not
+see, memory) is skipped with a warning naming it. Per node that won at the example
 this costs one more comparison (node_timer: at most about a second a side) and, with inductor, one more
 compile of what it replaces; a node that lost costs nothing more, and static graphs are measured once, as
 before. The whole graph is raced at the example inputs only.
@@ -176,8 +177,7 @@ class TorchTarget(Target):
     def sizes(self, gm: fx.GraphModule) -> list[Size]:
         """The example inputs, and where the graph has symbolic input dims, the larger size (module docstring)."""
         if id(gm) not in self.sized:
-            placeholders = gm.graph.find_nodes(op="placeholder")
-            self.sized[id(gm)] = (gm, larger_sizes(placeholders, self.flat))  # the module is held: its id stays its own
+            self.sized[id(gm)] = (gm, larger_sizes(gm, self.flat, self.where))  # held: its id stays its own
         return self.sized[id(gm)][1]
 
     def node_key(self, graph: Graph, node: Node) -> Any:
@@ -328,21 +328,46 @@ def _bucket_at(d: Any, dims: Mapping[Any, int]) -> Any:
     return shape_bucket(int(expr.subs(dims)))
 
 
-def larger_sizes(placeholders: Sequence[fx.Node], flat: Sequence[Any]) -> list[Size]:
-    """The sizes to measure a graph's nodes at: the example inputs (`flat`, one per placeholder), and where
-    the placeholders' values have symbolic dims, the larger size (module docstring). Labels name the inputs
-    that hold those dims, with their shapes there."""
+def larger_sizes(gm: fx.GraphModule, flat: Sequence[Any], where: str = "cpu") -> list[Size]:
+    """The sizes to measure `gm`'s nodes at: the example inputs (`flat`, one per placeholder), and where the
+    placeholders' values have symbolic dims, the larger size (module docstring). Labels name the inputs that
+    hold those dims, with their shapes there. An export's range can admit a size its guards refuse (GPT-2's
+    causal mask sliced from a 128-row buffer: seq in [2, 128], and seq != 128): a refused size is halved in
+    growth until the guards take it; if none is taken, a warning names the first refused."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
     examples = [node_val(p) for p in placeholders]
     dims = torch_dims(examples, flat, shape_ranges(examples)) if len(examples) == len(flat) else {}
     if not dims:
         return [Size("example inputs", {}, list(flat))]
     example = {s: r.example for s, r in dims.items()}
-    larger = {s: r.scaled(GROWTH ** (1 / len(dims))) for s, r in dims.items()}
     out = [Size(f"example inputs ({_shapes(placeholders, examples, flat)})", example, list(flat))]
-    if larger != example:
+    refused = ""
+    growth = GROWTH
+    while (larger := {s: r.scaled(growth ** (1 / len(dims))) for s, r in dims.items()}) != example:
         resized = resize_inputs(examples, flat, larger, torch.Generator().manual_seed(0))
-        out.append(Size(f"larger inputs ({_shapes(placeholders, examples, resized)})", larger, resized))
+        label = f"larger inputs ({_shapes(placeholders, examples, resized)})"
+        why = _guards_refuse(gm, placeholders, resized)
+        if why is None:
+            out.append(Size(label, larger, resized))
+            break
+        refused = refused or f"{label} ({why})"
+        growth /= 2
+    if len(out) == 1 and refused:  # else the label of the size measured says where it was
+        warnings.warn(f"tkopt: the export's guards refuse {refused}; fusions on {where} are measured at the "
+                      "example inputs only", stacklevel=4)
     return out
+
+
+def _guards_refuse(gm: fx.GraphModule, placeholders: Sequence[fx.Node], flat: Sequence[Any]) -> str | None:
+    """Why the input guards torch.export put in its unlifted module (a `_guards_fn` submodule, where there is
+    one) refuse `flat`; None if they take it."""
+    env = dict(zip(placeholders, flat, strict=True))
+    for n in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
+        try:
+            gm.get_submodule(n.target)(*[env.get(a, a) for a in n.args])
+        except Exception as e:  # noqa: BLE001 - a failed guard is an AssertionError; any failure refuses
+            return next(iter(str(e).splitlines()), type(e).__name__)
+    return None
 
 
 def _shapes(placeholders: Sequence[fx.Node], examples: Sequence[Any], flat: Sequence[Any]) -> str:
