@@ -111,6 +111,9 @@ def test_torch_cpu_measures_against_eager_and_reuses_the_decisions(cache_dir, mo
     report = fast.tkopt_report
     assert report.target == "torch-cpu"
     _check_measured(report, {"eager"})
+    # where the stages' time went inside the target, for compile-time work
+    assert {"kernels: parallel builds", "kernels: probes", "selection: fused ops' first calls (tuning at real "
+            "shapes)"} <= set(report.seconds), report.seconds
     spec = fast.specializations[-1]
     assert spec.graphed == (report.whole_graph.winner == "tkopt")
     assert report.whole_graph.winner == "tkopt" or spec.run is fast.plain is model  # eager: the module itself runs
@@ -170,7 +173,8 @@ class _Graphed(TorchTarget):
         return True
 
 
-def test_the_unfused_program_is_raced_and_runs_where_the_fusions_lose_together(cache_dir, monkeypatch) -> None:
+def test_the_unfused_program_is_raced_and_runs_where_the_fusions_lose_together(cache_dir, monkeypatch,
+                                                                               one_thread) -> None:
     """Nodes that each won alone can lose together: where the target's own program differs from the plain
     alternatives (on CUDA: inductor and CUDA graphs), that program with every fusion put back is raced too, and
     where it wins, it runs: tkopt's program, unfused, and the decision is cached like the others. Here every

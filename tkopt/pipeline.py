@@ -156,6 +156,7 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
             artifact = target.alternative(winner)
         lap("whole graph")
     plain = winner != "tkopt"
+    laps.update(target.stage_seconds())
     report = Report(
         source=source or graph.meta.get("source") or graph.name, target=target.name, select=select, passes=passes,
         ops_before=ops_before, ops_after=ops_before if plain else graph.count_ops(),

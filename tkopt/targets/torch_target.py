@@ -13,7 +13,9 @@ alternatives (measure.race).
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -92,6 +94,21 @@ class TorchTarget(Target):
         self.build_workers = build_workers  # worker interpreters building kernels (None: one per core but one)
         self.as_user = as_user or (lambda run: run)
         self.call = call or (lambda fn: fn(*self.args, **self.kwargs))
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        """Add the wall time of the block (its device work done) to `part` of `stage_seconds()`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+
+    def stage_seconds(self) -> dict[str, float]:
+        return dict(self.seconds)
 
     @property
     def where(self) -> str:
@@ -126,8 +143,10 @@ class TorchTarget(Target):
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
         reps = [group[0] for group in groups.values()]
-        prebuild(reps, self.device, self.fingerprint(), self.build_workers)
-        reasons = {k: self._probe(group[0]) for k, group in groups.items()}
+        with self._timed("kernels: parallel builds"):
+            prebuild(reps, self.device, self.fingerprint(), self.build_workers)
+        with self._timed("kernels: probes"):
+            reasons = {k: self._probe(group[0]) for k, group in groups.items()}
         record_built([n for n in reps if reasons[repr(_probe_key(n))] is None], self.device, self.fingerprint())
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
 
@@ -165,7 +184,8 @@ class TorchTarget(Target):
             d = schema(n.op)
             attrs = attr_args(n.op, n.attrs)
             op = CUSTOM_OPS[n.op]
-            fused = replayed(lambda: op(*d.padded(ins), *attrs), self.device)
+            with self._timed("selection: fused ops' first calls (tuning at real shapes)"):
+                fused = replayed(lambda: op(*d.padded(ins), *attrs), self.device)
             pair = compare(fused, replayed(lambda: tiny(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - a kernel that fails at the real shapes is not kept
             return Measured(n, error=f"{type(e).__name__}: {e}")
@@ -173,7 +193,8 @@ class TorchTarget(Target):
         if not self.inductor or not wins(*pair):
             return m
         try:
-            with torch._guards.tracing(None):  # static code for these shapes, apart from a compile in progress
+            # static code for these shapes, apart from a compile in progress
+            with torch._guards.tracing(None), self._timed("selection: inductor compiles"):
                 compiled = inductor.compile_graph(tiny, tiny_args)
             pair = compare(fused, replayed(lambda: compiled(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - the entry point runs eager code where inductor fails
@@ -211,7 +232,10 @@ class TorchTarget(Target):
         with unset_fake_temporarily(), torch.no_grad():
             variants.update((name, self.alternative(name)) for name in self.factories)
             calls = {name: (lambda fn=fn: self.call(fn)) for name, fn in variants.items()}
-            return race(calls, self.device)  # its warm-up calls compile (inductor) and capture (CUDA graphs)
+            for fn in calls.values():  # compiles (inductor) and captures (CUDA graphs), timed apart
+                with self._timed("whole graph: first calls"):
+                    fn()
+            return race(calls, self.device)
 
 
 def input_tensor(v: Value, values: Mapping[fx.Node, Any], device: torch.device) -> torch.Tensor:
