@@ -3,9 +3,10 @@
 A fused node is timed against its replaced fx nodes run eagerly (ATen); where the entry point runs the
 unfused rest through inductor (tkopt.compile's default on CUDA, inductor=True anywhere) and the node beat
 eager, it is then timed against inductor's code for those nodes, which decides. On CUDA both sides are
-CUDA-graph replays. The final module is timed against the entry point's alternatives (tkopt.compile: the
-user's module eager, and on CUDA under torch.compile), on CUDA even with no fusion kept: the program then
-still adds what the entry point runs around the fused nodes (inductor, CUDA graphs). Nodes are measured on
+CUDA-graph replays. The final module is timed against the entry point's alternatives (the user's module or
+Dynamo's graph eager, and on CUDA in inference inductor's compilation of it), on CUDA even with no fusion
+kept: the program then still adds what the entry point runs around the fused nodes (inductor, CUDA graphs),
+and with fusions kept, the same program unfused is raced too (tkopt.pipeline). Nodes are measured on
 their real inputs: the original graph runs once on the example inputs (torch.fx.Interpreter) to capture
 them. The whole graph is timed through the same call path the user's calls take, alternating with the
 alternatives (measure.race).
