@@ -147,9 +147,8 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
                 if d.decision == "kept":
                     _decide(d, "declined", f"the whole graph ran faster as {winner}")
         if winner == UNFUSED:  # tkopt's own program still runs, with every fusion put back
-            for n in kept:
-                unfuse(graph, n)
-            seal(graph)
+            # the view's nodes, not `graph` unfused now: sealing dropped what only the fallbacks read
+            graph.nodes = unfused.nodes
             artifact = emitted = programs[UNFUSED]
             winner = "tkopt"
         elif winner != "tkopt":
