@@ -26,3 +26,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         held = GQA_DYNAMIC_EXPORTS.get(getattr(item, "originalname", None) or "")
         if OLD_EXPORT and held is not None and held in item.name:
             item.add_marker(gqa)
+
+
+@pytest.fixture
+def one_thread():
+    """ATen on one thread: on a loaded machine (the suite shares two cores) its two threads stall on each
+    other for a time slice, and even a serial scalar GEMM kernel then measures faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

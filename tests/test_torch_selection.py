@@ -42,16 +42,6 @@ def compiles(monkeypatch) -> list[torch.fx.GraphModule]:
     return seen
 
 
-@pytest.fixture
-def one_thread():
-    """ATen on one thread: on a loaded machine (the suite shares two cores) its two threads stall on each
-    other for a time slice, and even a serial scalar GEMM kernel then measures faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _targets(gm: torch.fx.GraphModule) -> set[str]:
     return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
 

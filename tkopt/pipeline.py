@@ -148,15 +148,15 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
                 if d.decision == "kept":
                     _decide(d, "declined", f"the whole graph ran faster as {winner}")
         if winner == UNFUSED:  # tkopt's own program still runs, with every fusion put back
-            for n in kept:
-                unfuse(graph, n)
-            seal(graph)
+            # the view's nodes, not `graph` unfused now: sealing dropped what only the fallbacks read
+            graph.nodes = unfused.nodes
             artifact = emitted = programs[UNFUSED]
             winner = "tkopt"
         elif winner != "tkopt":
             artifact = target.alternative(winner)
         lap("whole graph")
     plain = winner != "tkopt"
+    laps.update(target.stage_seconds())
     report = Report(
         source=source or graph.meta.get("source") or graph.name, target=target.name, select=select, passes=passes,
         ops_before=ops_before, ops_after=ops_before if plain else graph.count_ops(),

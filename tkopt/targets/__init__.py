@@ -88,6 +88,10 @@ class Target(ABC):
         """The artifact of plain alternative `name` (when it beat tkopt's)."""
         raise NotImplementedError
 
+    def stage_seconds(self) -> dict[str, float]:
+        """Where the stages' time went inside the target ("stage: part" -> seconds), for the report."""
+        return {}
+
     @property
     def where(self) -> str:
         """How warnings name the device ("cpu", "cuda:0", "ORT sm90")."""

@@ -3,9 +3,10 @@
 A fused node is timed against its replaced fx nodes run eagerly (ATen); where the entry point runs the
 unfused rest through inductor (tkopt.compile's default on CUDA, inductor=True anywhere) and the node beat
 eager, it is then timed against inductor's code for those nodes, which decides. On CUDA both sides are
-CUDA-graph replays. The final module is timed against the entry point's alternatives (tkopt.compile: the
-user's module eager, and on CUDA under torch.compile), on CUDA even with no fusion kept: the program then
-still adds what the entry point runs around the fused nodes (inductor, CUDA graphs). Nodes are measured on
+CUDA-graph replays. The final module is timed against the entry point's alternatives (the user's module or
+Dynamo's graph eager, and on CUDA in inference inductor's compilation of it), on CUDA even with no fusion
+kept: the program then still adds what the entry point runs around the fused nodes (inductor, CUDA graphs),
+and with fusions kept, the same program unfused is raced too (tkopt.pipeline). Nodes are measured on
 their real inputs: the original graph runs once on the example inputs (torch.fx.Interpreter) to capture
 them. The whole graph is timed through the same call path the user's calls take, alternating with the
 alternatives (measure.race).
@@ -29,7 +30,9 @@ before. The whole graph is raced at the example inputs only.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -124,6 +127,21 @@ class TorchTarget(Target):
         self.as_user = as_user or (lambda run: run)
         self.call = call or (lambda fn: fn(*self.args, **self.kwargs))
         self.sized: dict[int, tuple[fx.GraphModule, list[Size]]] = {}  # per graph module: its sizes (`sizes`)
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        """Add the wall time of the block (its device work done) to `part` of `stage_seconds()`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+
+    def stage_seconds(self) -> dict[str, float]:
+        return dict(self.seconds)
 
     @property
     def where(self) -> str:
@@ -158,8 +176,10 @@ class TorchTarget(Target):
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
         reps = [group[0] for group in groups.values()]
-        prebuild(reps, self.device, self.fingerprint(), self.build_workers)
-        reasons = {k: self._probe(group[0]) for k, group in groups.items()}
+        with self._timed("kernels: parallel builds"):
+            prebuild(reps, self.device, self.fingerprint(), self.build_workers)
+        with self._timed("kernels: probes"):
+            reasons = {k: self._probe(group[0]) for k, group in groups.items()}
         record_built([n for n in reps if reasons[repr(_probe_key(n))] is None], self.device, self.fingerprint())
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
 
@@ -196,8 +216,10 @@ class TorchTarget(Target):
 
         def values(i: int) -> dict[fx.Node, Any] | None:
             if i not in captured:
+                timed = self._timed("selection: the original graph's run at the larger size") if i else None
                 try:
-                    captured[i] = capture_values(gm, nodes, sizes[i].flat)
+                    with timed or contextlib.nullcontext():
+                        captured[i] = capture_values(gm, nodes, sizes[i].flat)
                 except Exception as e:  # noqa: BLE001 - the example inputs run (they were exported); others may not
                     if i == 0:
                         raise
@@ -229,7 +251,8 @@ class TorchTarget(Target):
             d = schema(n.op)
             attrs = attr_args(n.op, n.attrs)
             op = CUSTOM_OPS[n.op]
-            fused = replayed(lambda: op(*d.padded(ins), *attrs), self.device)
+            with self._timed("selection: fused ops' first calls (tuning at real shapes)"):
+                fused = replayed(lambda: op(*d.padded(ins), *attrs), self.device)
             pair = compare(fused, replayed(lambda: tiny(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - a kernel that fails at the real shapes is not kept
             at = "" if not m.sizes else f"at {label}: "
@@ -240,7 +263,8 @@ class TorchTarget(Target):
         if not self.inductor or not wins(*pair):
             return wins(*pair)
         try:
-            with torch._guards.tracing(None):  # static code for these shapes, apart from a compile in progress
+            # static code for these shapes, apart from a compile in progress
+            with torch._guards.tracing(None), self._timed("selection: inductor compiles"):
                 compiled = inductor.compile_graph(tiny, tiny_args)
             pair = compare(fused, replayed(lambda: compiled(*tiny_args), self.device), self.node_timer)
         except Exception as e:  # noqa: BLE001 - the entry point runs eager code where inductor fails
@@ -278,7 +302,10 @@ class TorchTarget(Target):
         with unset_fake_temporarily(), torch.no_grad():
             variants.update((name, self.alternative(name)) for name in self.factories)
             calls = {name: (lambda fn=fn: self.call(fn)) for name, fn in variants.items()}
-            return race(calls, self.device)  # its warm-up calls compile (inductor) and capture (CUDA graphs)
+            for fn in calls.values():  # compiles (inductor) and captures (CUDA graphs), timed apart
+                with self._timed("whole graph: first calls"):
+                    fn()
+            return race(calls, self.device)
 
 
 def input_tensor(v: Value, values: Mapping[fx.Node, Any], device: torch.device) -> torch.Tensor:
