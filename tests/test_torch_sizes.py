@@ -208,3 +208,31 @@ def test_a_size_the_export_guards_refuse_shrinks_toward_the_example() -> None:
     sizes = TorchTarget(inputs).sizes(gm)
     assert [s.label for s in sizes] == [EXAMPLE, "larger inputs (x 3x12x32)"]
     assert _guards_refuse(gm, placeholders, sizes[1].flat) is None
+
+
+@pytest.mark.gpu
+def test_cuda_measures_each_node_against_eager_and_inductor_at_both_sizes(tmp_path, monkeypatch) -> None:
+    """tkopt.compile on CUDA, every node made to win (no margin): each is timed against eager, then inductor's
+    code, at the example inputs and again at the larger size, as CUDA-graph replays; the program still matches
+    eager at a size of its own."""
+    from tkopt.models import blocks
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("tkopt.pipeline.MARGIN", 0.0)
+    torch.manual_seed(0)
+    model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=256, heads=4, max_seq=128)).eval().cuda().half()
+    inputs = tuple(t.cuda().half() if t.is_floating_point() else t.cuda() for t in model.example_inputs(2, 77))
+    fast = tkopt.compile(model, inputs)
+    print(fast.tkopt_report)
+    entries = [e for e in json.loads((tmp_path / "select-torch-cuda.json").read_text()).values() if "sizes" in e]
+    assert entries
+    for entry in entries:
+        labels = [s["label"] for s in entry["sizes"]]
+        where = list(dict.fromkeys(label.rsplit(", against ", 1)[0] for label in labels))
+        assert len(where) == 2 and where[1].startswith("larger inputs (args_0 "), entry
+        assert labels == [f"{w}, against {a}" for w in where for a in ("eager", "inductor")], entry
+    with torch.no_grad():
+        x = tuple(t.cuda().half() if t.is_floating_point() else t.cuda() for t in model.example_inputs(3, 100))
+        want = model(*x)
+        assert ((fast(*x) - want).abs().max() / want.abs().max()).item() < 1e-2
