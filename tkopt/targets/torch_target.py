@@ -25,7 +25,9 @@ is shrunk toward the example (`larger_sizes`); one the model cannot run at (a bo
 see, memory) is skipped with a warning naming it. Per node that won at the example
 this costs one more comparison (node_timer: at most about a second a side) and, with inductor, one more
 compile of what it replaces; a node that lost costs nothing more, and static graphs are measured once, as
-before. The whole graph is raced at the example inputs only.
+before. The whole graph is raced at the example inputs only: at a second size every variant would compile
+(inductor, automatic dynamic shapes: a recompile) and capture its CUDA graphs again, the largest part of
+compile time, to recheck what each node already won at both sizes.
 """
 
 from __future__ import annotations
