@@ -199,15 +199,14 @@ class _Causal(nn.Module):
 def test_a_size_the_export_guards_refuse_shrinks_toward_the_example() -> None:
     """4x batch and sequence would be 8x16 (the sequence at the top of its range), which the guards refuse, as
     they do 6x16 and 4x16; the growth halves until they take one: 3x12."""
-    from tkopt.targets.torch_target import _guards_refuse
+    from tkopt.input_sizes import guards_refuse
 
     inputs = (torch.randn(2, 8, 32),)
     gm = import_fx(torch.export.export(_Causal(32).eval(), inputs, dynamic_shapes=(AUTO,))).meta["fx_module"]
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    assert "Guard failed" in _guards_refuse(gm, placeholders, [torch.randn(8, 16, 32)])
+    assert "Guard failed" in guards_refuse(gm, [torch.randn(8, 16, 32)])
     sizes = TorchTarget(inputs).sizes(gm)
     assert [s.label for s in sizes] == [EXAMPLE, "larger inputs (x 3x12x32)"]
-    assert _guards_refuse(gm, placeholders, sizes[1].flat) is None
+    assert guards_refuse(gm, sizes[1].flat) is None
 
 
 @pytest.mark.gpu
@@ -236,3 +235,16 @@ def test_cuda_measures_each_node_against_eager_and_inductor_at_both_sizes(tmp_pa
         x = tuple(t.cuda().half() if t.is_floating_point() else t.cuda() for t in model.example_inputs(3, 100))
         want = model(*x)
         assert ((fast(*x) - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+def test_the_accuracy_check_skips_a_size_the_guards_refuse(monkeypatch) -> None:
+    """The accuracy check tries the top of each dim's range (sequence 16 here), which the program's guards refuse
+    although the range admits it: that size is skipped and named, not run into the guard."""
+    monkeypatch.setenv("TKOPT_KERNELS", "reference")
+    torch.manual_seed(0)
+    model = _Causal(32).eval()
+    fast = tkopt.compile(model, (torch.randn(2, 8, 32),), select="all", check_accuracy=True)
+    accuracy = fast.tkopt_accuracy
+    assert accuracy.ok and {(2, 8), (2, 2), (3, 3)} <= {tuple(r["args[0]"][:2]) for r in accuracy.runs}
+    refused = "args[0] [7, 16, 32]: the program's guards refuse it (Guard failed"
+    assert any(s.startswith(refused) for s in accuracy.skipped), accuracy.skipped

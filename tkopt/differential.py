@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tkopt.accuracy import Accuracy, OutputError, output_error
-from tkopt.input_sizes import DimRange, resize_inputs, torch_dims
+from tkopt.input_sizes import DimRange, guards_refuse, resize_inputs, torch_dims
+
+if TYPE_CHECKING:
+    from torch import fx
 
 Feeds = Mapping[str, Any]
 
@@ -112,10 +115,13 @@ def check_module(
     args: tuple,
     kwargs: dict,
     seed: int = 0,
+    guarded: fx.GraphModule | None = None,
 ) -> Accuracy:
     """`fused` (one tkopt.compile specialization) against `eager` at the sizes its symbolic dims admit.
 
     `examples` are the specialization's per-input example values (FakeTensors with symbolic dims).
+    `guarded`: its fx.GraphModule, whose input guards may refuse a size the ranges admit; such a size is
+    skipped and named (the specialization never runs there: tkopt.compile re-exports for it).
     """
     import torch
     import torch.utils._pytree as pytree
@@ -126,8 +132,16 @@ def check_module(
     flat = [x for _, x in with_paths]
     names = [("args" if p[0].idx == 0 else "kwargs") + pytree.keystr(p[1:]) for p, _ in with_paths]
     gen = torch.Generator().manual_seed(seed)
-    feeds = [dict(zip(names, resize_inputs(examples, flat, sizes, gen), strict=True))
-             for sizes in trial_sizes(torch_dims(examples, flat, ranges))]
+    feeds: list[dict[str, Any]] = []
+    refused: list[str] = []
+    for sizes in trial_sizes(torch_dims(examples, flat, ranges)):
+        new = resize_inputs(examples, flat, sizes, gen)
+        why = None if guarded is None else guards_refuse(guarded, new)
+        if why is None:
+            feeds.append(dict(zip(names, new, strict=True)))
+        else:
+            shapes = {k: list(np.shape(v)) for k, v in zip(names, new, strict=True)}
+            refused.append(f"{describe(shapes)}: the program's guards refuse it ({why})")
     dtypes: dict[str, str] = {}
 
     def call(fn: Callable[..., Any]) -> Callable[[Feeds], dict[str, np.ndarray]]:
@@ -144,5 +158,7 @@ def check_module(
 
         return run
 
-    return sweep(feeds, call(eager), call(fused), fused_runner="tkopt.compile", unfused_runner="eager",
-                 dtypes=dtypes)
+    accuracy = sweep(feeds, call(eager), call(fused), fused_runner="tkopt.compile", unfused_runner="eager",
+                     dtypes=dtypes)
+    accuracy.skipped.extend(refused)
+    return accuracy

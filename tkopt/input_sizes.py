@@ -15,6 +15,7 @@ from typing import Any
 
 import sympy
 import torch
+from torch import fx
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,16 @@ def resize_inputs(examples: Sequence[Any], flat: Sequence[Any], sizes: Mapping[A
             x = size(ex, x)
         out.append(x)
     return out
+
+
+def guards_refuse(gm: fx.GraphModule, flat: Sequence[Any]) -> str | None:
+    """Why the input guards torch.export put in its unlifted module (a `_guards_fn` submodule, where there is
+    one) refuse `flat` (one input per placeholder); None if they take it. An export's range can admit a
+    size its guards refuse (a causal mask sliced from a 128-row buffer: seq in [2, 128], and seq != 128)."""
+    env = dict(zip(gm.graph.find_nodes(op="placeholder"), flat, strict=True))
+    for n in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
+        try:
+            gm.get_submodule(n.target)(*[env.get(a, a) for a in n.args])
+        except Exception as e:  # noqa: BLE001 - a failed guard is an AssertionError; any failure refuses
+            return next(iter(str(e).splitlines()), type(e).__name__)
+    return None

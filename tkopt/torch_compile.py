@@ -237,7 +237,7 @@ class CompiledModule(nn.Module):
                     return run(*a, **kw)
                 return unbox(run(a, kw)[0])[0]
 
-            entry.accuracy = check_module(eager, fused, examples, ranges, args, kwargs)
+            entry.accuracy = check_module(eager, fused, examples, ranges, args, kwargs, guarded=gm)
             if not entry.accuracy.ok:
                 bad = [o.name for o in entry.accuracy.outputs if not o.ok]
                 raise AccuracyError(f"tkopt.compile: fused outputs {bad} differ from eager beyond tolerance: "

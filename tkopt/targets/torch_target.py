@@ -51,7 +51,7 @@ from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
 from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import run_kernel, schema, use_kernels
-from tkopt.input_sizes import resize_inputs, shape_ranges, torch_dims
+from tkopt.input_sizes import guards_refuse, resize_inputs, shape_ranges, torch_dims
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels.tuning import shape_bucket
 from tkopt.measure import Timer, Timing, compare, race
@@ -375,7 +375,7 @@ def larger_sizes(gm: fx.GraphModule, flat: Sequence[Any], where: str = "cpu") ->
     while (larger := {s: r.scaled(growth ** (1 / len(dims))) for s, r in dims.items()}) != example:
         resized = resize_inputs(examples, flat, larger, torch.Generator().manual_seed(0))
         label = f"larger inputs ({_shapes(placeholders, examples, resized)})"
-        why = _guards_refuse(gm, placeholders, resized)
+        why = guards_refuse(gm, resized)
         if why is None:
             out.append(Size(label, larger, resized))
             break
@@ -385,18 +385,6 @@ def larger_sizes(gm: fx.GraphModule, flat: Sequence[Any], where: str = "cpu") ->
         warnings.warn(f"tkopt: the export's guards refuse {refused}; fusions on {where} are measured at the "
                       "example inputs only", stacklevel=4)
     return out
-
-
-def _guards_refuse(gm: fx.GraphModule, placeholders: Sequence[fx.Node], flat: Sequence[Any]) -> str | None:
-    """Why the input guards torch.export put in its unlifted module (a `_guards_fn` submodule, where there is
-    one) refuse `flat`; None if they take it."""
-    env = dict(zip(placeholders, flat, strict=True))
-    for n in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
-        try:
-            gm.get_submodule(n.target)(*[env.get(a, a) for a in n.args])
-        except Exception as e:  # noqa: BLE001 - a failed guard is an AssertionError; any failure refuses
-            return next(iter(str(e).splitlines()), type(e).__name__)
-    return None
 
 
 def _shapes(placeholders: Sequence[fx.Node], examples: Sequence[Any], flat: Sequence[Any]) -> str:
