@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -49,6 +49,7 @@ from tkopt.backends.inductor import InductorOrEager
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.differential import AccuracyError, check_module
 from tkopt.frontends.fx import import_fx, node_val
+from tkopt.input_sizes import guards_refuse
 from tkopt.ir import Graph
 from tkopt.object_trees import Boxed, Boxer, unbox
 from tkopt.pipeline import optimize
@@ -74,6 +75,7 @@ class Specialization:
     ranges: dict[sympy.Symbol, Any]
     state: StateGuard  # the buffers it folded: a write to one after compiling makes it stale
     accuracy: Accuracy | None = None  # with check_accuracy: fused against eager at several admitted sizes
+    guarded: dict[tuple, bool] = field(default_factory=dict)  # the export's guards' verdict per symbol sizes
 
     def accepts(self, spec: pytree.TreeSpec, flat: Sequence[Any]) -> bool:
         if spec != self.in_spec or len(flat) != len(self.inputs) or self.state.changed() is not None:
@@ -111,7 +113,12 @@ class Specialization:
             vr = self.ranges.get(sym)
             if vr is not None and not (vr.lower <= got <= vr.upper):
                 return False
-        return True
+        # The range can admit sizes the export's own guards refuse (a causal mask sliced from a 128-row buffer:
+        # seq in [2, 128] and seq != 128); they are asked once per set of sizes, not on every call.
+        sizes = tuple(bound.items())
+        if sizes not in self.guarded:
+            self.guarded[sizes] = guards_refuse(self.graph.meta["fx_module"], flat) is None
+        return self.guarded[sizes]
 
 
 class Exported(nn.Module):

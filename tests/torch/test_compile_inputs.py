@@ -17,3 +17,20 @@ def test_a_bare_tensor_is_the_one_positional_input() -> None:
     assert compiled.tkopt_report.fusions["gemm"] == 1
     torch.testing.assert_close(compiled(x), model(x))
     torch.testing.assert_close(compiled(x[:1]), model(x[:1]))
+
+
+def test_a_size_the_exports_guards_refuse_gets_its_own_specialization(monkeypatch) -> None:
+    """torch.export's range can admit a size its guards refuse: GPT-2's causal mask is sliced from a 128-row
+    buffer, so seq is in [2, 128] and seq != 128. A call there raised "Guard failed" from the program; it is
+    exported and optimized anew, as any size outside the range is."""
+    from tkopt.models import blocks
+
+    monkeypatch.setenv("TKOPT_KERNELS", "reference")
+    torch.manual_seed(0)
+    model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=64, heads=4, max_seq=128)).eval()
+    compiled = tkopt.compile(model, model.example_inputs(batch=2, seq=77), select="all")
+    with torch.no_grad():
+        for seq, programs in ((100, 1), (128, 2), (90, 2)):
+            inputs = model.example_inputs(batch=2, seq=seq)
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+            assert len(compiled.specializations) == programs
