@@ -6,26 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
+from tests.modules import LinearAddNorm
 from tkopt.backends import inductor
 from tkopt.frontends.fx import import_fx
 from tkopt.passes.pipeline import run_passes
 from tkopt.pipeline import MARGIN, _apply, _entry, optimize
 from tkopt.report import NodeDecision
 from tkopt.targets.torch_target import TorchTarget
-
-
-class _LinearAddNorm(nn.Module):
-    """A GEMM (FusedGemm) feeding a residual add + LayerNorm (FusedAddNorm)."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        self.norm = nn.LayerNorm(hidden)
-
-    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.linear(h))
 
 
 @pytest.fixture
@@ -56,7 +44,7 @@ def test_cpu_inductor_compiles_only_what_beat_eager(tmp_path, monkeypatch, compi
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
-    model = _LinearAddNorm(96).eval()
+    model = LinearAddNorm(96).eval()
     inputs = (torch.randn(33, 96), torch.randn(33, 96))
     target = TorchTarget(inputs, inductor=True)
     assert target.fingerprint()["unfused"] == "inductor"
@@ -96,7 +84,7 @@ def test_a_node_whose_subgraph_inductor_fails_on_is_decided_against_eager(tmp_pa
 
     monkeypatch.setattr(inductor, "compile_graph", refuse)
     torch.manual_seed(0)
-    model = _LinearAddNorm(96).eval()
+    model = LinearAddNorm(96).eval()
     inputs = (torch.randn(33, 96), torch.randn(33, 96))
     graph = import_fx(torch.export.export(model, inputs))
     run_passes(graph, ())

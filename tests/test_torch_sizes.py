@@ -12,6 +12,7 @@ from torch import nn
 from torch.export import Dim
 
 import tkopt
+from tests.modules import LinearAddNorm
 from tkopt.backends.torch_ops import CUSTOM_OPS
 from tkopt.frontends.fx import import_fx
 from tkopt.kernels.tuning import shape_bucket
@@ -26,22 +27,10 @@ LARGER = "larger inputs (x 8x32x32)"  # batch and sequence 4x each: 16x the elem
 LARGER_RE = re.escape(LARGER)
 
 
-class _LinearAddNorm(nn.Module):
-    """A GEMM (FusedGemm) feeding a residual add + LayerNorm (FusedAddNorm)."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        self.norm = nn.LayerNorm(hidden)
-
-    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.linear(h))
-
-
 def _fused(dynamic: bool):
     torch.manual_seed(0)
     inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
-    ep = torch.export.export(_LinearAddNorm(32).eval(), inputs, dynamic_shapes=(AUTO, AUTO) if dynamic else None)
+    ep = torch.export.export(LinearAddNorm(32).eval(), inputs, dynamic_shapes=(AUTO, AUTO) if dynamic else None)
     graph = import_fx(ep)
     run_passes(graph, ())
     return graph, next(n for n in graph.nodes if n.op == "FusedAddNorm"), inputs
@@ -131,7 +120,7 @@ def test_tkopt_compile_measures_at_both_sizes_and_reuses_the_decisions(tmp_path,
     monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("tkopt.pipeline.MARGIN", 0.0)
     torch.manual_seed(0)
-    model = _LinearAddNorm(32).eval()
+    model = LinearAddNorm(32).eval()
     inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
     fast = tkopt.compile(model, inputs)
     nodes = fast.tkopt_report.nodes
@@ -158,7 +147,7 @@ class _Positions(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.positions = nn.Embedding(16, hidden)
-        self.block = _LinearAddNorm(hidden)
+        self.block = LinearAddNorm(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.positions(torch.arange(x.shape[1]))
@@ -189,7 +178,7 @@ class _Causal(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.register_buffer("bias", torch.tril(torch.ones(16, 16)))
-        self.block = _LinearAddNorm(hidden)
+        self.block = LinearAddNorm(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
