@@ -117,7 +117,7 @@ class Specialization:
         # seq in [2, 128] and seq != 128); they are asked once per set of sizes, not on every call.
         sizes = tuple(bound.items())
         if sizes not in self.guarded:
-            self.guarded[sizes] = guards_refuse(self.graph.meta["fx_module"], flat) is None
+            self.guarded[sizes] = guards_refuse(self.module, flat) is None
         return self.guarded[sizes]
 
 
