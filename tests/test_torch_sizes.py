@@ -107,10 +107,15 @@ def test_a_static_export_is_measured_once_at_the_example(monkeypatch, timed_shap
 def test_the_decision_key_names_every_size_measured() -> None:
     """A dynamic dim's key is its shape bucket at each size measured: a decision measured at the example alone
     (an older tkopt, or an example whose dims are at the top of their range) is not read as one measured at
-    both; a static export's key is as before."""
+    both; a static export's key is as before. The key needs the sizes only: the larger inputs are not made
+    (with every decision cached they would never run)."""
     graph, norm, inputs = _fused(dynamic=True)
-    x = TorchTarget(inputs).node_key(graph, norm)[3][0]
+    target = TorchTarget(inputs)
+    x = target.node_key(graph, norm)[3][0]
     assert x == ["float32", [[shape_bucket(2), shape_bucket(8)], [shape_bucket(8), shape_bucket(32)], 32]]
+    larger = target.sizes(graph.meta["fx_module"])[1]
+    assert "flat" not in vars(larger)
+    assert [list(t.shape) for t in larger.flat] == [[8, 32, 32], [8, 32, 32]] and larger.flat[0].device.type == "cpu"
 
 
 def test_tkopt_compile_measures_at_both_sizes_and_reuses_the_decisions(tmp_path, monkeypatch) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tkopt.accuracy import Accuracy, OutputError, output_error
-from tkopt.input_sizes import DimRange, guards_refuse, resize_inputs, torch_dims
+from tkopt.input_sizes import DimRange, guards_refuse, resize_inputs, resized, torch_dims
 
 if TYPE_CHECKING:
     from torch import fx
@@ -135,7 +135,7 @@ def check_module(
     feeds: list[dict[str, Any]] = []
     refused: list[str] = []
     for sizes in trial_sizes(torch_dims(examples, flat, ranges)):
-        new = resize_inputs(examples, flat, sizes, gen)
+        new = resize_inputs(examples, flat, sizes, lambda x, shape: resized(x, shape, gen))
         why = None if guarded is None else guards_refuse(guarded, new)
         if why is None:
             feeds.append(dict(zip(names, new, strict=True)))

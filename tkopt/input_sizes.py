@@ -9,7 +9,7 @@ example size and admitted range, and the example inputs remade at a new assignme
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,11 +86,17 @@ def resized(x: torch.Tensor, shape: list[int], gen: torch.Generator) -> torch.Te
     return x.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()
 
 
+def stand_in(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """A tensor of `x`'s dtype at `shape` with no data (meta device): enough for labels and the export's input
+    guards, which read sizes only, without building inputs that may never run."""
+    return torch.empty(shape, dtype=x.dtype, device="meta")
+
+
 def resize_inputs(examples: Sequence[Any], flat: Sequence[Any], sizes: Mapping[Any, int],
-                  gen: torch.Generator) -> list[Any]:
-    """`flat` (the real inputs, one per example) with every symbolic dim at its size in `sizes`: tensors
-    remade (`resized`), ints traced as symbols set. Shapes that are expressions of the symbols (2*s0)
-    follow them."""
+                  make: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> list[Any]:
+    """`flat` (the real inputs, one per example) with every symbolic dim at its size in `sizes`: tensors remade
+    by `make(tensor, shape)` (`resized` with a generator, or `stand_in`), ints traced as symbols set. Shapes
+    that are expressions of the symbols (2*s0) follow them."""
 
     def size(want: Any, got: int) -> int:
         """`want`'s size under `sizes`; `got` (the example's) where it reads a symbol not in `sizes`."""
@@ -102,7 +108,7 @@ def resize_inputs(examples: Sequence[Any], flat: Sequence[Any], sizes: Mapping[A
     out = []
     for ex, x in zip(examples, flat, strict=True):
         if isinstance(ex, torch.Tensor) and isinstance(x, torch.Tensor):
-            x = resized(x, [size(want, got) for want, got in zip(ex.shape, x.shape, strict=True)], gen)
+            x = make(x, [size(want, got) for want, got in zip(ex.shape, x.shape, strict=True)])
         elif isinstance(ex, torch.SymInt) and type(x) is int:
             x = size(ex, x)
         out.append(x)

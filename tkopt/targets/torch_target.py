@@ -33,6 +33,7 @@ compile time, to recheck what each node already won at both sizes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import time
 import warnings
@@ -51,7 +52,7 @@ from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
 from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import run_kernel, schema, use_kernels
-from tkopt.input_sizes import guards_refuse, resize_inputs, shape_ranges, torch_dims
+from tkopt.input_sizes import guards_refuse, resize_inputs, resized, shape_ranges, stand_in, torch_dims
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels.tuning import shape_bucket
 from tkopt.measure import Timer, Timing, compare, race
@@ -65,11 +66,16 @@ GROWTH = 16  # the larger size's inputs hold about this many times the example's
 @dataclass
 class Size:
     """Inputs a fused node is measured at: how labels name them, the symbols' sizes there (empty: the example
-    inputs of a static graph), and the flat inputs."""
+    inputs of a static graph), and the flat inputs, made when first read: decision keys need only the sizes,
+    and with every decision cached the larger inputs would be made for nothing."""
 
     label: str
     dims: dict[Any, int]
-    flat: list[Any]
+    make: Callable[[], list[Any]]
+
+    @functools.cached_property
+    def flat(self) -> list[Any]:
+        return self.make()
 
 
 def first_device(values: Sequence[Any]) -> torch.device:
@@ -367,17 +373,17 @@ def larger_sizes(gm: fx.GraphModule, flat: Sequence[Any], where: str = "cpu") ->
     examples = [node_val(p) for p in placeholders]
     dims = torch_dims(examples, flat, shape_ranges(examples)) if len(examples) == len(flat) else {}
     if not dims:
-        return [Size("example inputs", {}, list(flat))]
+        return [Size("example inputs", {}, lambda: list(flat))]
     example = {s: r.example for s, r in dims.items()}
-    out = [Size(f"example inputs ({_shapes(placeholders, examples, flat)})", example, list(flat))]
+    out = [Size(f"example inputs ({_shapes(placeholders, examples, flat)})", example, lambda: list(flat))]
     refused = ""
     growth = GROWTH
     while (larger := {s: r.scaled(growth ** (1 / len(dims))) for s, r in dims.items()}) != example:
-        resized = resize_inputs(examples, flat, larger, torch.Generator().manual_seed(0))
-        label = f"larger inputs ({_shapes(placeholders, examples, resized)})"
-        why = guards_refuse(gm, resized)
+        shaped = resize_inputs(examples, flat, larger, stand_in)
+        label = f"larger inputs ({_shapes(placeholders, examples, shaped)})"
+        why = guards_refuse(gm, shaped)
         if why is None:
-            out.append(Size(label, larger, resized))
+            out.append(Size(label, larger, _inputs_at(examples, flat, larger)))
             break
         refused = refused or f"{label} ({why})"
         growth /= 2
@@ -385,6 +391,16 @@ def larger_sizes(gm: fx.GraphModule, flat: Sequence[Any], where: str = "cpu") ->
         warnings.warn(f"tkopt: the export's guards refuse {refused}; fusions on {where} are measured at the "
                       "example inputs only", stacklevel=4)
     return out
+
+
+def _inputs_at(examples: Sequence[Any], flat: Sequence[Any], sizes: Mapping[Any, int]) -> Callable[[], list[Any]]:
+    """What makes `flat` at `sizes`: seeded normal floats, ids and masks tiled (input_sizes.resized)."""
+
+    def make() -> list[Any]:
+        gen = torch.Generator().manual_seed(0)
+        return resize_inputs(examples, flat, sizes, lambda x, shape: resized(x, shape, gen))
+
+    return make
 
 
 def _shapes(placeholders: Sequence[fx.Node], examples: Sequence[Any], flat: Sequence[Any]) -> str:
