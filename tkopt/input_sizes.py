@@ -78,7 +78,8 @@ def resized(x: torch.Tensor, shape: list[int], gen: torch.Generator) -> torch.Te
     if list(x.shape) == shape:
         return x
     if x.is_floating_point() and x.numel() > 2 and torch.unique(x).numel() > 2:
-        std, mean = x.float().std(), x.float().mean()
+        # as Python numbers: the generator draws on the CPU, and a CUDA input's statistics would live there
+        std, mean = float(x.float().std()), float(x.float().mean())
         return (torch.randn(shape, generator=gen) * std + mean).to(device=x.device, dtype=x.dtype)
     if x.numel() == 0:
         return x.new_zeros(shape)
