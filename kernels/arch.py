@@ -8,6 +8,7 @@ sm80 program on an H200 with TKOPT_ARCH=sm80).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +47,24 @@ def arch_of(t: torch.Tensor, override: str | None = None) -> str:
     if native is None:
         raise UnsupportedError(f"GPU sm_{major}{minor} is older than sm_80; no kernel variant")
     return native
+
+
+@dataclass(frozen=True)
+class Build:
+    """What kernels are built for, ahead of their calls: the variant, the GPU they will run on ("sm_90"; None
+    on cpu) and its SM count (GEMM default tiles are sized against it). No GPU is needed to build for one."""
+
+    arch: str
+    gpu: str | None = None
+    sms: int | None = None
+
+    @classmethod
+    def here(cls, device: torch.device) -> Build:
+        """What kernels for tensors on `device` are built for in this process."""
+        if device.type != "cuda":
+            return cls("cpu")
+        return cls(arch_of(torch.empty(0, device=device)), device_sm(),
+                   torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def target_of(arch: str):

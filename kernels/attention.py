@@ -44,8 +44,10 @@ from collections.abc import Sequence
 import tilelang.language as T
 import torch
 
-from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
+from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .constants import const
+from .tuning import pick_config, tuning_suspended
+from .workers import Compile
 
 LOG2E = 1.4426950408889634
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -627,16 +629,87 @@ def compile_cpu(key: tuple):
         return tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
 
 
+def _tuning_space(arch: str, key: tuple) -> tuple[dict, list[dict]]:
+    """(the default config, the tuning candidates) of a 16-bit GPU kernel with compile key `key`: the one
+    definition _pick_config and planned_kernels share."""
+    dim, masked = key[1], key[6] is not None  # gpu_program's head dim and mask_kind
+    return dict(DEFAULT_CONFIGS[(arch, dim)]), tune_candidates(arch, dim, masked)
+
+
 def _pick_config(arch: str, key: tuple, dtype: str, dim: int, run_with) -> dict:
     if dtype == "float32":
         return dict(FP32_CONFIG)
-    default = dict(DEFAULT_CONFIGS[(arch, dim)])
-    try:
-        from .tuning import pick_config
-    except ImportError:  # tuning module not available: defaults only
-        return default
-    masked = key[6] is not None  # gpu_program's mask_kind
-    return pick_config("flash_attention", arch, key, tune_candidates(arch, dim, masked), default, run_with)
+    default, cands = _tuning_space(arch, key)
+    return pick_config("flash_attention", arch, key, cands, default, run_with)
+
+
+def _kernel_dtype(q: torch.Tensor, arch: str, guard: str) -> str:
+    """The kernel's dtype name for q on `arch`; UnsupportedError where no variant takes q's dtype or head dim."""
+    if guard not in GUARDS:
+        raise ValueError(f"flash_attention: guard must be one of {GUARDS}, got {guard!r}")
+    dim = q.shape[3]
+    if arch == "cpu":
+        if q.dtype not in _CPU_DTYPES:
+            raise UnsupportedError(f"flash_attention: the cpu variant supports float32/float64, not {q.dtype}")
+        if dim > CPU_MAX_HEAD_DIM:
+            raise UnsupportedError(f"flash_attention: the cpu variant supports head dim <= 256, not {dim}")
+        return _CPU_DTYPES[q.dtype]
+    if q.dtype not in _GPU_DTYPES:
+        raise UnsupportedError(f"flash_attention: {arch} supports float16/bfloat16/float32, not {q.dtype}")
+    if dim not in GPU_HEAD_DIMS:
+        raise UnsupportedError(f"flash_attention: {arch} supports head dims {GPU_HEAD_DIMS}, not {dim}")
+    return _GPU_DTYPES[q.dtype]
+
+
+def _size(b: int, sq: int, skv: int) -> tuple[int, int, int]:
+    """The problem size in the tuning key (tuned configs depend on it): batch, both lengths rounded up to a
+    power of two."""
+    return b, 1 << max(0, (sq - 1).bit_length()), 1 << max(0, (skv - 1).bit_length())
+
+
+def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mask_fill, guard, mask_keeps):
+    """(the compile key: the program's keys in gpu_program / cpu_program order, (q, k, v) as views in the
+    layouts the kernel indexes, the mask arguments). Reads shapes, strides and dtypes only, so meta tensors
+    give the key real ones will."""
+    h = 1 if layout == "bhsd" else 2
+    dims = (q.shape[3], q.shape[h], k.shape[h])  # head dim, query heads, key/value heads
+    layouts, (q, k, v) = kernel_layouts(q, k, v, layout)
+    mask_kind, bcast, margs = None, (False,) * 4, ()
+    if mask is not None:
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        bcast = tuple(n == 1 for n in m.shape)
+        if m.dtype == torch.bool:
+            mask_kind, m = "bool", m.contiguous().view(torch.uint8)
+        else:
+            wide = arch == "cpu" and q.dtype == torch.float64  # the cpu kernel reads float64 masks as float64
+            mask_kind, m = "add", m.to(torch.float64 if wide else torch.float32).contiguous()
+        margs = (m,)
+    key = (dtype, *dims, bool(causal), layouts, mask_kind, bcast, None if scale is None else float(scale),
+           float(mask_scale), float(mask_fill), guard, bool(mask_keeps))
+    return key, (q, k, v), margs
+
+
+def planned_kernels(q, k, v, mask, build: Build, *, causal: bool = False, scale: float | None = None,
+                    layout: str = "bhsd", mask_scale: float = 1.0, mask_fill: float = -math.inf,
+                    guard: str = "masked", mask_keeps: bool = True) -> list[Compile]:
+    """The compiles `flash_attention`'s call on tensors like these (shapes, strides, dtypes: meta tensors do)
+    will use on `build`: the cached winner, else the default config and, where it would tune, every candidate."""
+    from .tuning import planned_configs
+
+    b, hq, hkv, sq, skv = _check_inputs(q, k, v, mask, layout)
+    dtype = _kernel_dtype(q, build.arch, guard)
+    if b * hq * sq == 0 or skv == 0:
+        return []
+    gkey, _, _ = _prepared(q, k, v, mask, build.arch, dtype, causal, scale, layout, mask_scale, mask_fill, guard,
+                           mask_keeps)
+    if build.arch == "cpu":
+        return [Compile.of(compile_cpu, gkey)]
+    if dtype == "float32":
+        configs = [dict(FP32_CONFIG)]
+    else:
+        default, cands = _tuning_space(build.arch, gkey)
+        configs = planned_configs("flash_attention", build.arch, gkey + _size(b, sq, skv), cands, default)
+    return [Compile.of(compile_gpu, build.arch, gkey, tuple(sorted(c.items())), build.gpu) for c in configs]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -746,22 +819,9 @@ def flash_attention(
     True
     """
     b, hq, hkv, sq, skv = _check_inputs(q, k, v, mask, layout)
-    if guard not in GUARDS:
-        raise ValueError(f"flash_attention: guard must be one of {GUARDS}, got {guard!r}")
     dim = q.shape[3]
     a = arch_of(q, arch)
-    if a == "cpu":
-        if q.dtype not in _CPU_DTYPES:
-            raise UnsupportedError(f"flash_attention: the cpu variant supports float32/float64, not {q.dtype}")
-        if dim > CPU_MAX_HEAD_DIM:
-            raise UnsupportedError(f"flash_attention: the cpu variant supports head dim <= 256, not {dim}")
-        dtype = _CPU_DTYPES[q.dtype]
-    else:
-        if q.dtype not in _GPU_DTYPES:
-            raise UnsupportedError(f"flash_attention: {a} supports float16/bfloat16/float32, not {q.dtype}")
-        if dim not in GPU_HEAD_DIMS:
-            raise UnsupportedError(f"flash_attention: {a} supports head dims {GPU_HEAD_DIMS}, not {dim}")
-        dtype = _GPU_DTYPES[q.dtype]
+    dtype = _kernel_dtype(q, a, guard)
 
     if out is None:
         shape = (b, hq, sq, dim) if layout == "bhsd" else (b, sq, hq, dim)
@@ -777,40 +837,13 @@ def flash_attention(
     if skv == 0:  # no keys: softmax over nothing, and p @ v sums nothing
         return out.zero_()
 
-    layouts, (q, k, v) = kernel_layouts(q, k, v, layout)
-
-    mask_kind, bcast, margs = None, (False,) * 4, ()
-    if mask is not None:
-        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        bcast = tuple(n == 1 for n in m.shape)
-        if m.dtype == torch.bool:
-            mask_kind, m = "bool", m.contiguous().view(torch.uint8)
-        else:
-            wide = a == "cpu" and q.dtype == torch.float64  # the cpu kernel reads float64 masks as float64
-            mask_kind, m = "add", m.to(torch.float64 if wide else torch.float32).contiguous()
-        margs = (m,)
-    key = (
-        None,
-        dim,
-        hq,
-        hkv,
-        bool(causal),
-        layouts,
-        mask_kind,
-        bcast,
-        None if scale is None else float(scale),
-        float(mask_scale),
-        float(mask_fill),
-        guard,
-        bool(mask_keeps),
-    )
-
+    gkey, (q, k, v), margs = _prepared(q, k, v, mask, a, dtype, causal, scale, layout, mask_scale, mask_fill, guard,
+                                       mask_keeps)
     if a == "cpu":
-        kern = compile_cpu((dtype,) + key[1:])
+        kern = compile_cpu(gkey)
         kern(q, k, v, *margs, out)
         return out
 
-    gkey = (dtype,) + key[1:]
     dsm = device_sm()
 
     def run_with(cfg: dict) -> float:
@@ -820,12 +853,12 @@ def flash_attention(
         return triton.testing.do_bench(lambda: kk(q, k, v, *margs, out), return_mode="median")
 
     if config is None:
-        # Tuning key: the compile key plus the rounded problem size (tuned configs depend on the size).
-        size = (b, 1 << max(0, (sq - 1).bit_length()), 1 << max(0, (skv - 1).bit_length()))
-        memo_key = (a, gkey, size)
+        memo_key = (a, gkey, _size(b, sq, skv))
         config = _CONFIG_MEMO.get(memo_key)
         if config is None:  # first call for this key in this process: cached / tuned / default config
-            config = _CONFIG_MEMO[memo_key] = _pick_config(a, gkey + size, dtype, dim, run_with)
+            config = _pick_config(a, gkey + memo_key[2], dtype, dim, run_with)
+            if not tuning_suspended():  # a default picked while tuning is off is not final
+                _CONFIG_MEMO[memo_key] = config
     last_config[a] = dict(config)
     kern = compile_gpu(a, gkey, tuple(sorted(config.items())), dsm)
     kern(q, k, v, *margs, out)

@@ -33,7 +33,7 @@ from .norm import (
     tl_dtype,
 )
 from .reference import ACTIVATIONS
-from .tuning import median_ms
+from .tuning import median_ms, tuning_suspended
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -314,7 +314,8 @@ def conv2d(x, w, bias=None, act=None, stride=1, padding=0, dilation=1, groups: i
             return median_ms(lambda: kern_(*a))
 
         cfg = _pick_config("conv2d", arch, ck, conv_candidates(c, f, k_total, dt, arch), default, bench)
-        _cfg_cache[ck] = cfg
+        if not tuning_suspended():  # a default picked while tuning is off is not final
+            _cfg_cache[ck] = cfg
     kp, fp = _ceil_to(k_total, cfg["block_k"]), _ceil_to(f, cfg["block_n"])
     args = _launch_args(xh, w, bias, y, kp, fp, f)
     _gpu_kernel(shape_key, dt, act_key, bias is not None, arch, cfg)(*args)

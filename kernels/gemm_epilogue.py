@@ -36,13 +36,13 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from .arch import UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
+from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
 from .constants import const
 from .precision import matmul_precision
 from .reference import ACTIVATIONS
 from .tuning import median_ms
-from .workers import default_workers, map_in_workers
+from .workers import Compile, default_workers, map_in_workers
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float32, torch.float64)
@@ -462,7 +462,12 @@ def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=Fals
                     has_residual=False, gated=False, m=None, precision="ieee"):
     """The compiled kernel for a key, cached in memory (never recompiled in a warm process; TileLang
     also caches on disk, so a new process loads instead of compiling)."""
-    key = kernel_key(arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m, precision)
+    return kernel_for_key(kernel_key(arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated,
+                                     m, precision))
+
+
+def kernel_for_key(key: tuple, device: str | None = None):
+    """compiled_kernel of a `kernel_key`, built to run on `device` ("sm_90"; None: this machine's GPU)."""
     kern = _CACHE.get(key)
     if kern is not None:
         return kern
@@ -470,7 +475,7 @@ def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=Fals
         lock = _LOCKS.setdefault(key, threading.Lock())
     with lock:
         if key not in _CACHE:
-            _CACHE[key] = _compile(key)
+            _CACHE[key] = _compile(key, device)
     return _CACHE[key]
 
 
@@ -698,40 +703,76 @@ def _candidate(cfg: TileConfig) -> dict:
     return d
 
 
-def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False,
-                  precision="ieee") -> TileConfig:
-    """Default config, or the tuned one (kernels/tuning.py) for GPU GEMMs with M > 64."""
-    from .tuning import cached_entry, pick_config, shape_bucket, tuning_enabled
+def _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision) -> tuple:
+    from .tuning import shape_bucket
 
+    return (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t, precision)
+
+
+def tuning_space(arch, M, N, dtype, gated=False, precision="ieee", sms=None) -> tuple[TileConfig, list[dict]]:
+    """(the default config, the tuning candidates) of a GEMM with M rows: candidates only where it tunes (a GPU
+    and M > 64). The one definition select_config and planned_kernels share."""
     acc = 2 if gated else 1
-    # The memo first: this runs on every call, and building the candidates costs ~100 us of Python.
-    key = (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t, precision)
-    mkey = (kind, arch, key, gated)
-    hit = _SELECTED.get(mkey)
-    if hit is not None:
-        return hit
-    default = default_config(arch, dtype, accumulators=acc, m=M, n=N, sms=_sm_count(arch), precision=precision)
+    default = default_config(arch, dtype, accumulators=acc, m=M, n=N, sms=sms, precision=precision)
     if arch == "cpu" or M <= 64:
-        _SELECTED[mkey] = default
-        return default
+        return default, []
     space = FP32_TUNE_CANDIDATES[(arch, precision)] if dtype == torch.float32 else TUNE_CANDIDATES[arch]
     cands = [c for c in space if _valid(c, arch, dtype, acc, precision)]
     if gated and dtype != torch.float32:
         cands = [c for c in cands if c["block_tile"][1] <= 128] + [
             dict(block_tile=(128, 128, 64), stages=3, threads=256)] * (arch == "sm90")
         cands = list({str(c): c for c in cands}.values())
+    return default, cands
+
+
+def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False,
+                  precision="ieee") -> TileConfig:
+    """Default config, or the tuned one (kernels/tuning.py) for GPU GEMMs with M > 64."""
+    from .tuning import cached_entry, pick_config, tuning_enabled, tuning_suspended
+
+    acc = 2 if gated else 1
+    # The memo first: this runs on every call, and building the candidates costs ~100 us of Python.
+    key = _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision)
+    mkey = (kind, arch, key, gated)
+    hit = _SELECTED.get(mkey)
+    if hit is not None:
+        return hit
+    default, cands = tuning_space(arch, M, N, dtype, gated, precision, _sm_count(arch))
+    if not cands:
+        _SELECTED[mkey] = default
+        return default
 
     def bench(c):
         return run(TileConfig(**c).validate(arch, dtype, acc, precision))
 
     if tuning_enabled(arch) and len(cands) > 1 and cached_entry(kind, arch, key) is None:
-        # compile every candidate in parallel worker interpreters first (disk cache), then time them one by one
+        # compile every candidate in parallel worker interpreters first (disk cache), then time them one by one;
+        # a build wave ahead (planned_kernels) leaves none to compile here
         Np, Kp = padded_nk(arch, N, K, torch.empty((), dtype=dtype).element_size())
         precompile([(arch, Np, Kp, dtype, TileConfig(**c), b_t, has_bias, act, has_res, gated, None, precision)
                     for c in cands])
     chosen = TileConfig(**pick_config(kind, arch, key, cands, _candidate(default), bench))
-    _SELECTED[mkey] = chosen
+    if not tuning_suspended():  # a default picked while tuning is off is not final
+        _SELECTED[mkey] = chosen
     return chosen
+
+
+def planned_kernels(kind, build: Build, M, N, K, dtype, act, has_bias, has_res, b_t, gated=False) -> list[Compile]:
+    """The compiles `gemm` / `gated_mlp` calls with M rows will use on `build`: the cached winner, else the
+    default config and, where select_config would tune, every candidate (each once, as kernel_key dedupes)."""
+    from .tuning import planned_configs
+
+    if M == 0 or N == 0 or K == 0:
+        return []
+    arch = build.arch
+    precision = fp32_precision(arch, dtype)
+    default, cands = tuning_space(arch, M, N, dtype, gated, precision, build.sms)
+    key = _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision)
+    configs = [TileConfig(**c) for c in planned_configs(kind, arch, key, cands, _candidate(default))]
+    Np, Kp = padded_nk(arch, N, K, torch.empty((), dtype=dtype).element_size())
+    keys = dict.fromkeys(kernel_key(arch, Np, Kp, dtype, c, b_t, has_bias, act, has_res, gated, None, precision)
+                         for c in configs)
+    return [Compile.of(kernel_for_key, k, build.gpu) for k in keys]
 
 
 _SELECTED: dict[tuple, TileConfig] = {}

@@ -37,7 +37,7 @@ import torch
 
 from .arch import UnsupportedError, arch_of, run_pass_configs, run_target
 from .constants import const
-from .tuning import median_ms
+from .tuning import median_ms, tuning_suspended
 from .tuning import pick_config as _pick_config
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -465,7 +465,8 @@ def get_norm_kernel(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flag
 
         cfg = _pick_config(f"{kind}_norm", arch, (n, dtype, w_dtype, fkey), norm_candidates(n, elem, arch),
                            default, bench) if args is not None else default
-        _cfg_cache[cfg_key] = cfg
+        if not tuning_suspended():  # a default picked while tuning is off is not final
+            _cfg_cache[cfg_key] = cfg
     return _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, cfg)
 
 

@@ -12,7 +12,9 @@ knobs) to use for one (kernel, arch, key):
 3. else `default` (heuristic), without touching the disk.
 
 Environment: TKOPT_CACHE_DIR (default ~/.cache/tkopt); TKOPT_AUTOTUNE: "0"/"false"/"off" disables
-tuning; unset or anything else enables it for GPU archs; it is never on for "cpu".
+tuning; unset or anything else enables it for GPU archs; it is never on for "cpu". In-process,
+`suspended()` turns it off for a block (kernel builds and probes: tuning belongs at the real shapes), and
+kernels then keep the default they return out of their per-process config memos.
 
 Keys are JSON-encoded (tuples become lists), so use plain ints / strs / bools / floats in them;
 `shape_bucket(n)` rounds a dynamic size (e.g. M) up to a power of two to keep keys few.
@@ -21,6 +23,7 @@ Keys are JSON-encoded (tuples become lists), so use plain ints / strs / bools / 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import math
 import os
@@ -33,6 +36,7 @@ from collections.abc import Callable, Sequence
 _LOCK = threading.Lock()
 _MEMORY: dict[tuple[str, str, str, str], dict] = {}
 _FALSE = ("0", "false", "off", "no")
+_SUSPENDED = contextvars.ContextVar("tkopt_tuning_suspended", default=False)
 
 
 def cache_dir() -> str:
@@ -40,9 +44,26 @@ def cache_dir() -> str:
     return os.environ.get("TKOPT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tkopt")
 
 
+@contextlib.contextmanager
+def suspended():
+    """No tuning inside the block (this thread): pick_config returns cached winners or defaults, and kernels
+    do not memoize those defaults (`tuning_suspended`), so a later call at real shapes still tunes."""
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
+
+
+def tuning_suspended() -> bool:
+    """Whether a `suspended()` block is active: a config picked now may not be the one calls will use."""
+    return _SUSPENDED.get()
+
+
 def tuning_enabled(arch: str | None = None) -> bool:
-    """Whether pick_config may benchmark: never for cpu; off when TKOPT_AUTOTUNE is 0/false/off."""
-    if arch == "cpu":
+    """Whether pick_config may benchmark: never for cpu nor in a `suspended()` block; off when TKOPT_AUTOTUNE
+    is 0/false/off."""
+    if arch == "cpu" or _SUSPENDED.get():
         return False
     return os.environ.get("TKOPT_AUTOTUNE", "1").strip().lower() not in _FALSE
 
@@ -152,23 +173,13 @@ def pick_config(
     bench: Callable[[dict], float],
 ) -> dict:
     """The config for (kernel, arch, key): cached winner, else tuned winner (if enabled), else `default`."""
-    kstr = _key_str(key)
-    allowed = [_norm(c) for c in candidates] + [_norm(default)]
-    mkey = (cache_dir(), kernel, arch, kstr)
-    with _LOCK:
-        hit = _MEMORY.get(mkey)
-    if hit is not None:
-        return dict(hit)
-    entry = _read(_file(kernel, arch)).get(kstr)
-    if entry and isinstance(entry.get("config"), dict) and _norm(entry["config"]) in allowed:
-        # Return the caller's own dict (tuples intact) equal to the stored one.
-        idx = allowed.index(_norm(entry["config"]))
-        cfg = dict((list(candidates) + [default])[idx])
-        with _LOCK:
-            _MEMORY[mkey] = cfg
-        return dict(cfg)
+    cached = _cached_config(kernel, arch, key, candidates, default)
+    if cached is not None:
+        return cached
     if not tuning_enabled(arch) or not candidates:
         return dict(default)
+    kstr = _key_str(key)
+    mkey = (cache_dir(), kernel, arch, kstr)
 
     timings: list[float] = []
     advance, close = _progress(len(candidates), f"tkopt autotune {kernel} {arch}")
@@ -206,6 +217,35 @@ def pick_config(
     return dict(winner)
 
 
+def _cached_config(kernel: str, arch: str, key: tuple, candidates: Sequence[dict], default: dict) -> dict | None:
+    """The winner for (kernel, arch, key) in memory or on disk, if it is still one of `candidates` or `default`
+    (the caller's own dict, tuples intact); else None."""
+    kstr = _key_str(key)
+    mkey = (cache_dir(), kernel, arch, kstr)
+    with _LOCK:
+        hit = _MEMORY.get(mkey)
+    if hit is not None:
+        return dict(hit)
+    allowed = [_norm(c) for c in candidates] + [_norm(default)]
+    entry = _read(_file(kernel, arch)).get(kstr)
+    if not (entry and isinstance(entry.get("config"), dict) and _norm(entry["config"]) in allowed):
+        return None
+    cfg = dict((list(candidates) + [default])[allowed.index(_norm(entry["config"]))])
+    with _LOCK:
+        _MEMORY[mkey] = cfg
+    return dict(cfg)
+
+
+def planned_configs(kernel: str, arch: str, key: tuple, candidates: Sequence[dict], default: dict) -> list[dict]:
+    """The configs a `pick_config` call with these arguments compiles, each once: the cached winner; else the
+    default and, where it would tune, every candidate. What a build ahead of the calls compiles."""
+    cached = _cached_config(kernel, arch, key, candidates, default)
+    if cached is not None:
+        return [cached]
+    configs = [default, *(candidates if tuning_enabled(arch) else ())]
+    return list({json.dumps(_norm(c), sort_keys=True): dict(c) for c in configs}.values())
+
+
 def clear_memory_cache() -> None:
     """Forget in-process winners (the files stay); for tests and after changing TKOPT_CACHE_DIR."""
     with _LOCK:
@@ -217,8 +257,11 @@ __all__ = [
     "cached_entry",
     "clear_memory_cache",
     "pick_config",
+    "planned_configs",
     "shape_bucket",
+    "suspended",
     "tuning_enabled",
+    "tuning_suspended",
 ]
 
 

@@ -12,11 +12,13 @@ threads lowering two sm80 GEMMs: 6.1 s of CPU in 7.9 s wall), so only nvcc would
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # The worker: mirror the parent's sys.path, read (module, function, jobs) pickled on stdin, send C-level
@@ -32,6 +34,24 @@ fn = getattr(importlib.import_module(module), name)
 pickle.dump([fn(job) for job in jobs], out)
 out.close()
 """
+
+
+@dataclass(frozen=True)
+class Compile:
+    """One kernel compile, as a job any process can run: `fn` ("module:function", importable by a worker)
+    called with `args` (picklable and hashable, so equal compiles are one job). The function fills TileLang's
+    disk cache and its kernel module's in-process cache; run again in another process, it loads from disk."""
+
+    fn: str
+    args: tuple
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], *args: Any) -> Compile:
+        return cls(f"{fn.__module__}:{fn.__qualname__}", args)
+
+    def run(self) -> Any:
+        module, name = self.fn.split(":")
+        return getattr(importlib.import_module(module), name)(*self.args)
 
 
 def default_workers(n_jobs: int) -> int:
