@@ -84,6 +84,7 @@ def map_in_workers(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int) 
             p.stdin.close()
         for share, p in zip(shares, procs, strict=True):
             data = p.stdout.read()
+            p.stdout.close()
             if p.wait() != 0:
                 failed.append(p.returncode)
                 continue

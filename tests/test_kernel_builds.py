@@ -59,5 +59,5 @@ def test_probe_shapes_keep_the_example_sizes_relations() -> None:
     for v_in, name in zip(node.inputs[1:3], ("k", "v"), strict=True):
         v_in.shape = (*v_in.shape[:2], f"len_{name}", 64)  # what the older export named them
     specs = input_specs(node)
-    (_, qs), (_, ks), (_, vs) = specs[:3]
+    (_, qs, _), (_, ks, _), (_, vs, _) = specs[:3]
     assert ks == vs and qs[2] < ks[2] and qs[0] == ks[0], specs

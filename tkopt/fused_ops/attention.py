@@ -16,8 +16,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from tkopt.ir import Node
+from tkopt.kernels.arch import Build
+from tkopt.kernels.workers import Compile
 
-from .base import Broadcast, FusedOp, ProgramSpec, Shape, Tensor, Unservable, check_dtypes, input_dtype, static_dim
+from .base import (
+    Broadcast,
+    FusedOp,
+    InputSpec,
+    ProgramSpec,
+    Shape,
+    Tensor,
+    Unservable,
+    check_dtypes,
+    input_dtype,
+    meta_tensors,
+    static_dim,
+)
 
 
 def _scale(attrs: dict[str, Any]) -> float | None:
@@ -39,17 +53,32 @@ def reference(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tenso
     return [ref.flash_attention_ref(q, k, v, mask=mask, **_semantics(attrs))]
 
 
-def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+def _check_precision(q: Tensor, on_gpu: bool) -> None:
+    """Eager's fp32 attention is full fp32 at torch's default precision; the GPU kernel's products are TF32."""
     import torch
 
     from tkopt import kernels
 
-    q, k, v, mask = ins
-    if q is not None and q.is_cuda and q.dtype == torch.float32 and kernels.matmul_precision() != "tf32":
-        # eager's fp32 attention is full fp32 at torch's default precision; the GPU kernel's products are TF32
+    if on_gpu and q.dtype == torch.float32 and kernels.matmul_precision() != "tf32":
         raise Unservable("float32 attention on the GPU computes Q K^T and P V in TF32, which torch's matmul "
                          "precision 'highest' does not allow (torch.set_float32_matmul_precision('high') does)")
+
+
+def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    from tkopt import kernels
+
+    q, k, v, mask = ins
+    if q is not None:
+        _check_precision(q, q.is_cuda)
     return [kernels.flash_attention(q, k, v, mask=mask, **_semantics(attrs))]
+
+
+def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) -> list[Compile]:
+    from tkopt.kernels.attention import planned_kernels
+
+    q, k, v, mask = meta_tensors(specs)
+    _check_precision(q, build.arch != "cpu")
+    return planned_kernels(q, k, v, mask, build, **_semantics(attrs))
 
 
 def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
@@ -117,4 +146,5 @@ OP = FusedOp(
     output_shapes=output_shapes,
     program=program,
     input_types={"mask": "M"},
+    compiles=compiles,
 )

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from tkopt.ir import Node, Value
+from tkopt.kernels.arch import Build
+from tkopt.kernels.workers import Compile
 
 Tensor = torch.Tensor
 # The dtypes a fused op's tensors may have, by ONNX type constraint (IR dtype names): every tensor "T"
@@ -22,7 +24,12 @@ TYPE_CONSTRAINTS = {
     "T": (FLOAT_DTYPES, "float tensors"),
     "M": ((*FLOAT_DTYPES, "bool"), "additive float mask or boolean keep-mask"),
 }
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64, "bool": torch.bool, "int64": torch.int64, "int32": torch.int32}
 Compute = Callable[[Sequence[Tensor | None], dict[str, Any]], list[Tensor]]
+InputSpec = tuple[str, tuple[int, ...], tuple[int, ...]] | None  # an input's dtype name, shape, strides; None: absent
+# (input specs, full attrs, what to build for) -> the kernel compiles calls on such inputs use
+PlanCompiles = Callable[[Sequence[InputSpec], dict[str, Any], Build], list[Compile]]
 Shape = Sequence[Any]  # dims of any kind: ints, torch SymInts, onnx TensorShapeProto.Dimension
 Broadcast = Callable[[Shape, Shape], Shape | None]  # numpy broadcasting of two shapes; None if unknown
 ShapeRule = Callable[[Sequence[Shape | None], dict[str, Any], Broadcast], list[Shape | None]]
@@ -56,7 +63,9 @@ class FusedOp:
     optional one) and the full attribute dict, and return every output. `output_shapes(shapes, attrs,
     broadcast)` gives output shapes from input shapes (None: unknown) for any kind of dim, so the torch
     fake implementation and ONNX shape inference share it. `program(node, arch)` picks the TileLang
-    program for an IR node (raising Unservable when none serves it).
+    program for an IR node (raising Unservable when none serves it). `compiles(specs, attrs, build)` lists
+    the kernel compiles calls on inputs like `specs` will use, tuning candidates included, so that they can
+    be built in parallel ahead of the calls (None: the kernel is built by running it once).
     """
 
     name: str
@@ -71,6 +80,7 @@ class FusedOp:
     optional_inputs: frozenset[str] = frozenset()
     optional_outputs: frozenset[str] = frozenset()
     input_types: Mapping[str, str] = field(default_factory=dict)  # ONNX type constraint by input, else "T"
+    compiles: PlanCompiles | None = None
 
     def full_attrs(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         unknown = set(attrs) - set(self.attrs)
@@ -98,6 +108,12 @@ class FusedOp:
     def padded(self, inputs: Sequence[Any]) -> list[Any]:
         """`inputs` with absent trailing optional inputs as None (ONNX drops them)."""
         return list(inputs) + [None] * (len(self.inputs) - len(inputs))
+
+
+def meta_tensors(specs: Sequence[InputSpec]) -> list[Tensor | None]:
+    """Data-less tensors of `specs` (the meta device): what a `compiles` function reads shapes and strides of."""
+    return [None if s is None else torch.empty_strided(s[1], s[2], dtype=TORCH_DTYPES[s[0]], device="meta")
+            for s in specs]
 
 
 # ---- helpers for `program` functions ------------------------------------------------------------

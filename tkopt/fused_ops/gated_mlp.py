@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from tkopt.ir import Node
+from tkopt.kernels.arch import Build
+from tkopt.kernels.workers import Compile
 
-from .base import Broadcast, FusedOp, ProgramSpec, Shape, Tensor, Unservable
-from .gemm import activation, gemm_program
+from .base import Broadcast, FusedOp, InputSpec, ProgramSpec, Shape, Tensor, Unservable, meta_tensors
+from .gemm import activation, gemm_program, planned
 from .gemm import output_shapes as gemm_shapes
 
 
@@ -47,6 +49,12 @@ def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
                               weights_transposed=bool(attrs["trans_b"]))]
 
 
+def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) -> list[Compile]:
+    x, wg, _, bg, _ = _unpacked(meta_tensors(specs), attrs)
+    return planned("gated_mlp", x, wg, bg is not None, False, activation(attrs) or "silu", bool(attrs["trans_b"]),
+                   build)
+
+
 def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
     """X against W_gate, as a GEMM; a packed W_gate's N is both halves."""
     (out,) = gemm_shapes(shapes, attrs, broadcast)
@@ -73,4 +81,5 @@ OP = FusedOp(
     kernel=kernel,
     output_shapes=output_shapes,
     program=program,
+    compiles=compiles,
 )

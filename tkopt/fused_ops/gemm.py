@@ -6,14 +6,18 @@ keeps K and N static and the rows dynamic, so one compiled kernel serves every b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tkopt.ir import Node
+from tkopt.kernels.arch import Build
+from tkopt.kernels.workers import Compile
 
 from .base import (
     Broadcast,
     FusedOp,
+    InputSpec,
     ProgramSpec,
     Shape,
     Tensor,
@@ -21,6 +25,7 @@ from .base import (
     check_dtypes,
     input_dtype,
     last_dim_expr,
+    meta_tensors,
     static_dim,
 )
 
@@ -47,6 +52,25 @@ def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
 
     a, b, bias, residual = ins
     return [kernels.gemm(a, b, bias, activation(attrs), residual, b_transposed=bool(attrs["trans_b"]))]
+
+
+def planned(kind: str, a: Tensor, b: Tensor, has_bias: bool, has_residual: bool, act: str | None, trans_b: bool,
+            build: Build) -> list[Compile]:
+    """The compiles a `kind` ("gemm" / "gated_mlp") call of A against a 2-D weight B uses (none for a batched B,
+    which the kernel refuses)."""
+    from tkopt.kernels.gemm_epilogue import planned_kernels
+
+    if b.dim() != 2:
+        return []
+    n = b.shape[0] if trans_b else b.shape[1]
+    return planned_kernels(kind, build, math.prod(a.shape[:-1]), n, a.shape[-1], a.dtype, act, has_bias,
+                           has_residual, trans_b, gated=kind == "gated_mlp")
+
+
+def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) -> list[Compile]:
+    a, b, bias, residual = meta_tensors(specs)
+    return planned("gemm", a, b, bias is not None, residual is not None, activation(attrs), bool(attrs["trans_b"]),
+                   build)
 
 
 def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
@@ -116,4 +140,5 @@ OP = FusedOp(
     kernel=kernel,
     output_shapes=output_shapes,
     program=lambda node, arch: gemm_program(node, arch, gated=False),
+    compiles=compiles,
 )

@@ -1,19 +1,27 @@
-"""Building fused nodes' kernels for the torch targets: the small inputs a build runs on, and builds spread
-over worker interpreters.
+"""Building fused nodes' kernels for the torch targets, ahead of the calls: one parallel wave of worker
+interpreters that compiles every kernel selection will run or time, then loads here.
 
-A kernel is built by running it once on small random inputs (a probe): only dtypes and static dims reach
-the kernels' compile-time keys, so the kernel a probe builds is the one every call will use. TileLang's
-lowering holds the GIL, so threads do not overlap builds; fresh interpreters do (tkopt.kernels.workers),
-and TileLang's disk cache hands what they built to this process. Workers only build: they run with
-autotuning off, since timings taken side by side on one device would be wrong; tuning, where a kernel
-tunes, happens in this process when it probes the kernel afterwards. Kernels this machine has built
-before (recorded in the tkopt cache, `built-kernels.json`) are left to TileLang's disk cache: starting
-workers for them would cost a warm compile seconds for nothing.
+Each fused node's calls at its example shapes use known kernels: the cached tuning winner, else the default
+config and, where the kernel tunes at those shapes, each tuning candidate (`FusedOp.compiles`, from the
+kernels' own `planned_kernels`). Each is one job of the wave, deduplicated across nodes, so the wave balances
+and nothing compiles twice. These jobs only compile (no kernel runs, so they need no GPU; workers never
+time). An op without a plan is built by running it once on random inputs of its example shapes, with tuning
+off. TileLang's lowering holds the GIL, so threads do not overlap builds; fresh interpreters do
+(tkopt.kernels.workers), and TileLang's disk cache hands what they built to this process, which then loads
+each compiled kernel into its kernels' caches: the probes that follow only load and check, and tuning at
+the real shapes only times (it starts no compiles of its own). Kernels this machine has built before
+(recorded in the tkopt cache, `built-kernels.json`) are left to TileLang's disk cache: starting workers for
+them would cost a warm compile seconds for nothing.
+
+Sizes: compile keys are size-free (GEMM rows, attention's batch and lengths are dynamic), so a larger size
+measured later (tkopt.input_sizes) tunes again over the same candidates: it only times. Only what depends on
+sizes is planned at the example's: a GEMM's default tile (by M) and whether it tunes (M > 64).
 """
 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -21,38 +29,96 @@ from typing import Any
 import torch
 
 from tkopt.cache import JsonFile, cache_path, digest, versions
-from tkopt.fused_ops import run_kernel
+from tkopt.fused_ops import run_kernel, schema
+from tkopt.fused_ops.base import TORCH_DTYPES as DTYPES
+from tkopt.fused_ops.base import InputSpec
 from tkopt.ir import Node, Value
-from tkopt.kernels.workers import default_workers, map_in_workers
+from tkopt.kernels.arch import Build
+from tkopt.kernels.tuning import suspended
+from tkopt.kernels.workers import Compile, default_workers, map_in_workers
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64, "bool": torch.bool, "int64": torch.int64, "int32": torch.int32}
+Job = Compile | tuple[str, dict, list[InputSpec], str]  # a compile, or (op, attrs, input specs, device) to run
 
-InputSpec = tuple[str, tuple[int, ...]] | None  # dtype name and shape of one input; None: an absent input
+
+def example_specs(node: Node) -> list[InputSpec]:
+    """A node's inputs as (dtype, shape, strides) at the example inputs, as its calls there get them (the FX
+    values' sizes and strides; a constant a pass made is contiguous). Raises ValueError for an input whose
+    sizes the graph does not hold."""
+    specs: list[InputSpec] = []
+    for v in node.inputs:
+        if v is None:
+            specs.append(None)
+            continue
+        _check_buildable(v)
+        val = getattr(v.origin, "meta", {}).get("val")
+        if isinstance(val, torch.Tensor) and val.dim() == len(v.shape):  # type: ignore[arg-type]
+            specs.append((v.dtype, _concrete(val.shape, v), _concrete(val.stride(), v)))  # type: ignore[arg-type]
+        elif all(isinstance(d, int) for d in v.shape):  # type: ignore[union-attr]
+            specs.append((v.dtype, tuple(v.shape), _contiguous(v.shape)))  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"input {v.name} has no example value")
+    return specs
 
 
 def input_specs(node: Node) -> list[InputSpec]:
-    """A node's inputs as (dtype, shape): its static dims, and its symbolic dims small but in the relation their
-    example sizes have (equal where equal, ordered as ordered). A graph may name equal dims by different symbols
-    (an export that never learnt K's and V's lengths are one): sizes drawn per symbol would hand the kernel
-    shapes no call has, and it would refuse them. Raises ValueError for an input no kernel can be built for."""
+    """A node's inputs as (dtype, shape, strides), contiguous, for a node without example values: its static
+    dims, and its symbolic dims small but in the relation their example sizes have (equal where equal, ordered
+    as ordered). A graph may name equal dims by different symbols (an export that never learnt K's and V's
+    lengths are one): sizes drawn per symbol would hand the kernel shapes no call has, and it would refuse
+    them. Raises ValueError for an input no kernel can be built for."""
     keys: list[list[Any] | None] = []  # per input: each dim's size or what tells its size apart
     for v in node.inputs:
         if v is None:
             keys.append(None)
             continue
-        if v.dtype not in DTYPES:
-            raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
-        if v.shape is None:
-            raise ValueError(f"input {v.name} has unknown rank")
-        if any(d is None for d in v.shape):
-            raise ValueError(f"input {v.name} has a dim of unknown size")
-        keys.append([d if isinstance(d, int) else _size_key(v, axis) for axis, d in enumerate(v.shape)])
+        _check_buildable(v)
+        keys.append([d if isinstance(d, int) else _size_key(v, axis) for axis, d in enumerate(v.shape)])  # type: ignore[arg-type]
     symbolic = {k for shape in keys if shape is not None for k in shape if not isinstance(k, int)}
     small = {k: 3 + i for i, k in enumerate(sorted(symbolic))}
-    return [None if v is None or shape is None
-            else (v.dtype, tuple(k if isinstance(k, int) else small[k] for k in shape))
-            for v, shape in zip(node.inputs, keys, strict=True)]
+    specs: list[InputSpec] = []
+    for v, shape in zip(node.inputs, keys, strict=True):
+        if v is None or shape is None:
+            specs.append(None)
+            continue
+        sizes = tuple(k if isinstance(k, int) else small[k] for k in shape)
+        specs.append((v.dtype, sizes, _contiguous(sizes)))  # type: ignore[arg-type]
+    return specs
+
+
+def probe_specs(node: Node) -> list[InputSpec]:
+    """What a node's kernels are built and probed on: its example inputs' shapes and strides where the graph
+    holds them (a GEMM's tile depends on its rows, attention's kernel on its inputs' layouts), else small ones."""
+    try:
+        return example_specs(node)
+    except ValueError:
+        return input_specs(node)
+
+
+def _check_buildable(v: Value) -> None:
+    if v.dtype not in DTYPES:
+        raise ValueError(f"input {v.name} has dtype {v.dtype}, which no kernel takes")
+    if v.shape is None:
+        raise ValueError(f"input {v.name} has unknown rank")
+    if any(d is None for d in v.shape):
+        raise ValueError(f"input {v.name} has a dim of unknown size")
+
+
+def _concrete(dims: Sequence[Any], v: Value) -> tuple[int, ...]:
+    out = []
+    for d in dims:
+        hint = d.node.hint if isinstance(d, torch.SymInt) else d
+        if hint is None:
+            raise ValueError(f"input {v.name} has a size with no example value")
+        out.append(int(hint))
+    return tuple(out)
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _size_key(v: Value, axis: int) -> tuple[int, int | str]:
@@ -68,47 +134,64 @@ def _size_key(v: Value, axis: int) -> tuple[int, int | str]:
 
 
 def probe_inputs(specs: Sequence[InputSpec], device: torch.device) -> list[torch.Tensor | None]:
-    """Seeded random tensors of `specs` on `device` (bools mostly true: masks that keep most positions)."""
+    """Seeded random tensors of `specs` on `device`, with the specs' strides (broadcast dims of stride 0
+    included); bools mostly true: masks that keep most positions."""
     gen = torch.Generator().manual_seed(0)
     tensors: list[torch.Tensor | None] = []
     for spec in specs:
         if spec is None:
             tensors.append(None)
             continue
-        dtype, shape = DTYPES[spec[0]], spec[1]
-        t = torch.rand(shape, generator=gen) > 0.1 if dtype == torch.bool else torch.randn(shape, generator=gen)
-        tensors.append(t.to(dtype).to(device))
+        dtype, shape, strides = DTYPES[spec[0]], spec[1], spec[2]
+        storage = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+        t = torch.rand(storage, generator=gen) > 0.1 if dtype == torch.bool else torch.randn(storage, generator=gen)
+        tensors.append(t.to(dtype).to(device).as_strided(shape, strides))
     return tensors
 
 
-def build_job(job: tuple[str, dict, list[InputSpec], str]) -> str | None:
-    """A worker's build: (op, attrs, input specs, device) -> None, or why the kernel failed."""
-    os.environ["TKOPT_AUTOTUNE"] = "0"
-    op, attrs, specs, device = job
+def build_job(job: Job) -> str | None:
+    """A worker's build: a compile, or a fused op run once with tuning off -> None, or why it failed."""
     try:
-        run_kernel(op, probe_inputs(specs, torch.device(device)), attrs)
-    except Exception as e:  # noqa: BLE001 - the parent's own probe reports it
+        with suspended():
+            if isinstance(job, Compile):
+                job.run()
+            else:
+                op, attrs, specs, device = job
+                run_kernel(op, probe_inputs(specs, torch.device(device)), attrs)
+    except Exception as e:  # noqa: BLE001 - the parent's own probe or tuning reports it
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def _jobs(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any]) -> dict[str, tuple]:
-    """Build jobs of `nodes` by their key in `built-kernels.json` (`fingerprint`: the device and runtimes)."""
-    jobs = {}
-    for n in nodes:
-        try:
-            job = (n.op, dict(n.attrs), input_specs(n), str(device))
-        except ValueError:
-            continue  # the probe says why
-        jobs[digest(versions(), fingerprint, job)] = job
-    return jobs
+def planned_jobs(node: Node, device: torch.device, build: Build) -> list[Job]:
+    """The builds a node's calls at its example shapes need (module docstring); none where its inputs cannot be
+    described or its op refuses them (the probe then says why)."""
+    try:
+        specs = probe_specs(node)
+    except ValueError:
+        return []
+    op = schema(node.op)
+    if op.compiles is None:
+        return [(node.op, dict(node.attrs), specs, str(device))]
+    try:
+        return list(op.compiles(specs, op.full_attrs(node.attrs), build))
+    except Exception:  # noqa: BLE001 - the probe runs the kernel and reports it
+        return []
+
+
+def planned_builds(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
+                   build: Build | None = None) -> dict[str, Job]:
+    """The build jobs of `nodes`, each once, by their key in `built-kernels.json` (`fingerprint`: the device and
+    runtimes; `build`: what kernels are built for, by default what `device` runs)."""
+    build = build or Build.here(device)
+    return {digest(versions(), fingerprint, job): job for n in nodes for job in planned_jobs(n, device, build)}
 
 
 def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any]) -> None:
     """Note that the kernels of `nodes` were built on this machine (their probes passed)."""
     built = JsonFile(cache_path("built-kernels.json"))
     known = built.read()
-    for key in _jobs(nodes, device, fingerprint):
+    for key in planned_builds(nodes, device, fingerprint):
         if key not in known:
             try:
                 built.update(key, True)
@@ -129,18 +212,30 @@ def build_workers() -> int | None:
 
 
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
-             workers: int | None = None) -> None:
-    """Build the kernels of `nodes` (one per distinct kernel) not built here before in parallel worker
-    interpreters, filling TileLang's disk cache for the probes that follow here. Nothing where one worker
-    would do (`workers` defaults to TKOPT_BUILD_WORKERS, else one per core but one); a failure only warns:
-    the probes then build one at a time, as without workers."""
+             workers: int | None = None) -> dict[str, float]:
+    """Build the kernels the calls of `nodes` at their example shapes need (module docstring): those not built
+    here before in parallel worker interpreters, then every planned compile loaded here. Workers only where
+    more than one would work (`workers` defaults to TKOPT_BUILD_WORKERS, else one per core but one); a failed
+    wave only warns: what it left is compiled here as it is loaded. Returns the wall seconds of the wave and
+    of the loads."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
+        jobs = planned_builds(nodes, device, fingerprint)
     known = JsonFile(cache_path("built-kernels.json")).read()
-    jobs = [job for key, job in _jobs(nodes, device, fingerprint).items() if key not in known]
-    workers = workers or build_workers() or default_workers(len(jobs))
-    if workers < 2 or len(jobs) < 2:
-        return
-    try:
-        map_in_workers(build_job, jobs, workers)
-    except Exception as e:  # noqa: BLE001 - parallel builds are an optimization, never a requirement
-        warnings.warn(f"tkopt: building kernels in {workers} workers failed ({type(e).__name__}: {e}); building "
-                      "them one at a time", stacklevel=2)
+    todo = {key: job for key, job in jobs.items() if key not in known}
+    workers = workers or build_workers() or default_workers(len(todo))
+    failed: set[str] = set()
+    t0 = time.perf_counter()
+    if workers >= 2 and len(todo) >= 2:
+        try:
+            results = map_in_workers(build_job, list(todo.values()), workers)
+            failed = {key for key, why in zip(todo, results, strict=True) if why is not None}
+        except Exception as e:  # noqa: BLE001 - parallel builds are an optimization, never a requirement
+            warnings.warn(f"tkopt: building kernels in {workers} workers failed ({type(e).__name__}: {e}); "
+                          "building them one at a time", stacklevel=2)
+    t1 = time.perf_counter()
+    for key, job in jobs.items():
+        if isinstance(job, Compile) and key not in failed:  # a compile that failed there would fail here again
+            build_job(job)  # from TileLang's disk cache; a failure is reported where the kernel is used
+    return {"wave": t1 - t0, "loads": time.perf_counter() - t1}

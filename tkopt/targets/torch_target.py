@@ -54,11 +54,12 @@ from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import run_kernel, schema, use_kernels
 from tkopt.input_sizes import guards_refuse, resize_inputs, resized, shape_ranges, stand_in, torch_dims
 from tkopt.ir import Graph, Node, Value
+from tkopt.kernels import tuning
 from tkopt.kernels.tuning import shape_bucket
 from tkopt.measure import Timer, Timing, compare, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
-from .kernel_builds import DTYPES, input_specs, prebuild, probe_inputs, record_built
+from .kernel_builds import DTYPES, prebuild, probe_inputs, probe_specs, record_built
 
 GROWTH = 16  # the larger size's inputs hold about this many times the example's elements (module docstring)
 
@@ -174,29 +175,33 @@ class TorchTarget(Target):
 
     # ---- kernels ----------------------------------------------------------------------------------
     def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
-        """Compile and run each distinct kernel once on small random inputs; nodes with the same signature
+        """Run each distinct kernel once on random inputs of its example shapes; nodes with the same signature
         share one probe (and one compiled kernel: the kernels cache them by compile-time key). The kernels
-        are built in parallel workers first (kernel_builds.prebuild); the probes here then load them, one
-        at a time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
+        their calls use, tuning candidates included, are built in one parallel wave first and loaded here
+        (kernel_builds.prebuild); the probes then only check them, with tuning off."""
         if not use_kernels():
             return {}
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
-        reps = [group[0] for group in groups.values()]
-        with self._timed("kernels: parallel builds"):
-            prebuild(reps, self.device, self.fingerprint(), self.build_workers)
+        with self._timed("kernels: parallel builds"):  # every node: one signature's nodes may differ in M
+            built = prebuild(nodes, self.device, self.fingerprint(), self.build_workers)
+        part = "kernels: parallel builds, of which loading them here"
+        self.seconds[part] = self.seconds.get(part, 0.0) + built["loads"]
         with self._timed("kernels: probes"):
             reasons = {k: self._probe(group[0]) for k, group in groups.items()}
-        record_built([n for n in reps if reasons[repr(_probe_key(n))] is None], self.device, self.fingerprint())
+        record_built([n for k, group in groups.items() if reasons[k] is None for n in group], self.device,
+                     self.fingerprint())
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
 
     def _probe(self, node: Node) -> str | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
+        # A torch.compile backend runs under Dynamo's fake mode. No tuning: it belongs at the real shapes (the
+        # first calls in selection), and the wave built what those time.
+        with unset_fake_temporarily(), tuning.suspended():
             try:
-                run_kernel(node.op, probe_inputs(input_specs(node), self.device), node.attrs)
+                run_kernel(node.op, probe_inputs(probe_specs(node), self.device), node.attrs)
             except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
                 return f"{type(e).__name__}: {e}"
         return None

@@ -1,0 +1,172 @@
+"""The build wave (tkopt.targets.kernel_builds): per fused node, the kernels its calls at the example shapes use,
+tuning candidates included, each planned once; built in workers, they reach this process as disk-cache loads;
+probes check them with tuning off. Planned for an H200 (sm90) here: compile keys need no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.modules import SelfAttention
+from tkopt.frontends.fx import import_fx
+from tkopt.ir import Node
+from tkopt.kernels import gemm_epilogue, tuning
+from tkopt.kernels.arch import Build
+from tkopt.kernels.attention import tune_candidates
+from tkopt.kernels.gemm_epilogue import TUNE_CANDIDATES, _tuning_key
+from tkopt.kernels.workers import map_in_workers
+from tkopt.passes.pipeline import run_passes
+from tkopt.targets import torch_target
+from tkopt.targets.kernel_builds import build_job, planned_builds, planned_jobs
+from tkopt.targets.torch_target import TorchTarget
+
+H200 = Build("sm90", "sm_90", 132)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def caches(tmp_path, monkeypatch):
+    """Empty tuning and kernel caches, tuning on (as a cold compile on the GPU has them)."""
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path / "tkopt"))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))  # workers inherit it
+    monkeypatch.delenv("TKOPT_AUTOTUNE", raising=False)
+    tuning.clear_memory_cache()
+    yield tmp_path
+    tuning.clear_memory_cache()
+
+
+def _fused(dtype: torch.dtype, batch: int = 2, seq: int = 48, hidden: int = 256) -> tuple[list[Node], tuple]:
+    """SelfAttention's fused nodes, exported with a dynamic sequence at (batch, seq, hidden): GEMMs of
+    M = batch * seq rows and attention of head dim 64."""
+    model = SelfAttention(hidden, hidden // 64).to(dtype).eval()
+    x = torch.randn(batch, seq, hidden, dtype=dtype)
+    graph = import_fx(torch.export.export(model, (x,), dynamic_shapes=({1: torch.export.Dim.AUTO},)))
+    run_passes(graph, ())
+    return [n for n in graph.nodes if n.is_fused], (x,)
+
+
+def _tiles(jobs) -> list[tuple[int, int, int]]:
+    return [job.args[0][4].block_tile for job in jobs]  # kernel_for_key(key, gpu): key[4] is the TileConfig
+
+
+def test_a_gemm_and_an_attention_plan_the_default_and_each_candidate_once(caches) -> None:
+    nodes, _ = _fused(torch.float16)
+    gemm = next(n for n in nodes if n.op == "FusedGemm")
+    attention = next(n for n in nodes if n.op == "FusedAttention")
+
+    tiles = _tiles(planned_jobs(gemm, CPU, H200))
+    # M = 96: the default tile is the one 96 rows get on 132 SMs (64x128), not a probe size's; then each candidate
+    assert tiles == [(64, 128, 64), *(c["block_tile"] for c in TUNE_CANDIDATES["sm90"])]
+    assert all(job.args[0][10] is None for job in planned_jobs(gemm, CPU, H200)), "M must stay dynamic"
+
+    jobs = planned_jobs(attention, CPU, H200)
+    assert [dict(job.args[2]) for job in jobs] == tune_candidates("sm90", 64)  # the default is the first one
+    assert {job.args[1][5] for job in jobs} == {("bshd",) * 4}, "the layouts the transposed views are read in"
+
+    small, _ = _fused(torch.float16, batch=1, seq=40)  # M = 40 <= 64: GEMMs do not tune, attention does
+    assert _tiles(planned_jobs(next(n for n in small if n.op == "FusedGemm"), CPU, H200)) == [(64, 128, 64)]
+
+
+def test_a_cached_winner_is_all_that_is_planned(caches) -> None:
+    nodes, _ = _fused(torch.float16)
+    gemm = next(n for n in nodes if n.op == "FusedGemm")
+    attention = next(n for n in nodes if n.op == "FusedAttention")
+    cands = TUNE_CANDIDATES["sm90"]
+    key = _tuning_key(96, 256, 256, torch.float16, None, True, False, True, "ieee")  # q's projection: bias, W^T
+    tuning.pick_config("gemm", "sm90", key, cands, {"block_tile": (64, 128, 64)},
+                       lambda c: 1.0 if c == cands[2] else 2.0)
+    (gkey,) = {job.args[1] for job in planned_jobs(attention, CPU, H200)}
+    attn_cands = tune_candidates("sm90", 64)
+    tuning.pick_config("flash_attention", "sm90", gkey + (2, 64, 64), attn_cands, attn_cands[0],
+                       lambda c: 1.0 if c == attn_cands[1] else 2.0)
+    tuning.clear_memory_cache()  # read back from the files, as a later process does
+
+    assert _tiles(planned_jobs(gemm, CPU, H200)) == [cands[2]["block_tile"]]
+    assert [dict(job.args[2]) for job in planned_jobs(attention, CPU, H200)] == [attn_cands[1]]
+
+
+def test_nodes_of_one_signature_plan_their_builds_once(caches) -> None:
+    nodes, _ = _fused(torch.float16)
+    projections = [n for n in nodes if n.op == "FusedGemm" and n.inputs[3] is None]
+    assert len(projections) == 3  # q, k and v
+    builds = planned_builds(nodes, CPU, {"device": "this test"}, H200)
+    per_node = [job for n in nodes for job in planned_jobs(n, CPU, H200)]
+    assert len(builds) == len(set(per_node)) == len(per_node) - 2 * len(planned_jobs(projections[0], CPU, H200))
+
+
+@pytest.mark.slow  # two fresh interpreters import torch and TileLang and lower two sm90 GEMMs: 6-15 s on 2 cores
+def test_compiles_built_in_workers_are_disk_loads_here(caches, monkeypatch) -> None:
+    from tilelang.cache import kernel_cache
+
+    nodes, _ = _fused(torch.float16)
+    jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), CPU, H200)[:2]  # the default, a candidate
+    assert map_in_workers(build_job, jobs, 2) == [None, None]
+
+    compiles = []
+    phase = kernel_cache.jit_phase
+    monkeypatch.setattr(kernel_cache, "jit_phase", lambda name, **kw: compiles.append(name) or phase(name, **kw))
+    monkeypatch.setattr(gemm_epilogue, "_CACHE", {})
+    assert [build_job(job) for job in jobs] == [None, None]
+    assert compiles == [], "a kernel the wave built was compiled again here"
+    assert len(gemm_epilogue._CACHE) == 2, "the loads fill the kernels' own cache, where tuning looks first"
+
+
+def test_the_probe_checks_the_example_shapes_with_tuning_off(caches, monkeypatch) -> None:
+    """Tuning belongs at the real shapes; a probe that tuned timed candidates at a size no call has (each
+    attention kernel's three candidates compiled and timed serially here: most of 16.6 s on the H200)."""
+    monkeypatch.setenv("TKOPT_BUILD_WORKERS", "1")
+    nodes, args = _fused(torch.float32, hidden=64)
+    gemm = next(n for n in nodes if n.op == "FusedGemm")
+    seen = []
+    run = torch_target.run_kernel
+
+    def spy(op, inputs, attrs):
+        seen.append((tuning.tuning_suspended(), [tuple(t.shape) for t in inputs if t is not None]))
+        return run(op, inputs, attrs)
+
+    monkeypatch.setattr(torch_target, "run_kernel", spy)
+    assert TorchTarget(args).probe(None, [gemm]) == {}
+    assert seen == [(True, [(2, 48, 64), (64, 64), (64,)])]
+
+
+@pytest.mark.gpu
+def test_a_cold_compile_builds_in_one_wave_and_tunes_only_at_real_shapes(caches, monkeypatch) -> None:
+    """Cold caches, tuning on, more than one worker: the only worker wave is the build's. Selection's tuning at
+    the real shapes times candidates the wave built (it used to start a wave per GEMM key and wait), and the
+    probes tune nothing (they used to tune every attention kernel at a size no call has)."""
+    import tkopt
+    from tkopt.kernels import attention, workers
+    from tkopt.targets import kernel_builds
+
+    monkeypatch.setenv("TKOPT_BUILD_WORKERS", "4")  # gpu_session.sh runs tests with 1
+    monkeypatch.setenv("TKOPT_AUTOTUNE", "1")
+    monkeypatch.setattr(gemm_epilogue, "_SELECTED", {})  # no winners other tests in this process picked
+    monkeypatch.setattr(attention, "_CONFIG_MEMO", {})
+    waves: list[str] = []
+    for module in (kernel_builds, gemm_epilogue):
+        monkeypatch.setattr(module, "map_in_workers", lambda fn, jobs, n, m=module.__name__: waves.append(m)
+                            or workers.map_in_workers(fn, jobs, n))
+    tuned: list[bool] = []  # per tuning run: whether a probe ran it
+    in_probe = [False]
+    progress, probe = tuning._progress, TorchTarget._probe
+    monkeypatch.setattr(tuning, "_progress", lambda n, desc: tuned.append(in_probe[0]) or progress(n, desc))
+
+    def probing(self, node):
+        in_probe[0] = True
+        try:
+            return probe(self, node)
+        finally:
+            in_probe[0] = False
+
+    monkeypatch.setattr(TorchTarget, "_probe", probing)
+    torch.manual_seed(0)
+    model = SelfAttention(384, 6).half().cuda().eval()
+    x = torch.randn(2, 80, 384, dtype=torch.float16, device="cuda")  # GEMMs of 160 rows: they tune
+    compiled = tkopt.compile(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), atol=2e-2, rtol=2e-2)
+    seconds = tkopt.last_report().seconds
+    print({k: round(v, 2) for k, v in seconds.items()})
+    assert waves == [kernel_builds.__name__], waves
+    assert tuned and not any(tuned), f"tuning runs: {len(tuned)}, in probes: {sum(tuned)}"
+    assert "kernels: probes" in seconds
