@@ -75,7 +75,8 @@ def _compile_one(job):
     try:
         if job[0] == "norm":
             _, kind, arch, flags, cfg = job
-            Nm._norm_kernel_for(kind, N, "float16", "float16", arch, flags, cfg)
+            Nm.compile_norm(kind, N, "float16", "float16", arch, tuple(sorted(flags.items())),
+                            tuple(sorted(cfg.items())))
         elif job[0] == "softmax":
             _, arch, cfg = job
             S._kernel_for(N, "float16", arch, cfg)

@@ -35,10 +35,11 @@ from collections.abc import Callable
 
 import torch
 
-from .arch import UnsupportedError, arch_of, run_pass_configs, run_target
+from .arch import Build, UnsupportedError, arch_of, run_pass_configs, run_target
 from .constants import const
 from .tuning import median_ms, tuning_suspended
 from .tuning import pick_config as _pick_config
+from .workers import Compile
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
               torch.float64: "float64"}
@@ -376,12 +377,9 @@ def _check_vec(name: str, t: torch.Tensor | None, n: int, x: torch.Tensor) -> to
     return t
 
 
-def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, arch):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dim (normalization is over the last dim)")
-    arch = arch_of(x, arch)
+def _norm_keys(kind, x, residual, weight, bias, eps, return_sum, arch):
+    """(n, dtype name, weight dtype name, flags): what a norm call on `arch` compiles its kernel for, the inputs
+    validated. Reads shapes and dtypes only, so meta tensors give the keys real ones will."""
     allowed = CPU_DTYPES if arch == "cpu" else GPU_DTYPES
     if x.dtype not in allowed:
         raise UnsupportedError(f"{kind} norm on {arch}: dtype {x.dtype} not supported (supported: {allowed})")
@@ -407,7 +405,35 @@ def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, ar
         raise UnsupportedError(f"{kind} norm on cpu: weight dtype {w_dtype} not supported")
     if arch != "cpu" and w_dtype not in GPU_DTYPES:
         raise UnsupportedError(f"{kind} norm on {arch}: weight dtype {w_dtype} not supported")
+    flags = dict(has_residual=residual is not None, has_weight=weight is not None,
+                 has_bias=bias is not None and kind == "layer", write_sum=bool(return_sum), eps=float(eps))
+    return n, tl_dtype(x.dtype), tl_dtype(w_dtype), flags
 
+
+def planned_kernels(kind: str, x, residual, weight, bias, eps: float, return_sum: bool, build: Build) -> list[Compile]:
+    """The compiles a `kind` ("layer" / "rms") norm call on tensors like these (meta tensors do) uses on `build`:
+    the cached winner, else the default config and, where it would tune, every candidate."""
+    from .tuning import planned_configs
+
+    n, dt, wdt, flags = _norm_keys(kind, x, residual, weight, bias, eps, return_sum, build.arch)
+    if x.numel() == 0:
+        return []
+    fkey = tuple(sorted(flags.items()))
+    if build.arch == "cpu":
+        return [Compile.of(compile_norm, kind, n, dt, wdt, "cpu", fkey, None)]
+    default, cands = _tuning_space(n, dt, build.arch)
+    configs = planned_configs(f"{kind}_norm", build.arch, (n, dt, wdt, fkey), cands, default)
+    return [Compile.of(compile_norm, kind, n, dt, wdt, build.arch, fkey, tuple(sorted(c.items()))) for c in configs]
+
+
+def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, arch):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim (normalization is over the last dim)")
+    arch = arch_of(x, arch)
+    n, dt, wdt, flags = _norm_keys(kind, x, residual, weight, bias, eps, return_sum, arch)
+    w_dtype = next((t.dtype for t in (weight, bias) if t is not None), x.dtype)
     shape = x.shape
     m = x.numel() // n
     x2 = x.reshape(m, n)
@@ -437,9 +463,6 @@ def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, ar
             dummy_w = x2[0] if w_dtype == x.dtype else torch.empty(n, dtype=w_dtype, device=x.device)
         args = (x2, r2 if r2 is not None else x2, w if w is not None else dummy_w,
                 b if b is not None else dummy_w, y2, s2)
-        flags = dict(has_residual=r2 is not None, has_weight=w is not None,
-                     has_bias=b is not None and kind == "layer", write_sum=write_sum, eps=float(eps))
-        dt, wdt = tl_dtype(x.dtype), tl_dtype(w_dtype)
         kern = get_norm_kernel(kind, n, dt, wdt, arch, flags, args)
         kern(*args)
     if write_sum:
@@ -451,31 +474,40 @@ def get_norm_kernel(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flag
     """The compiled kernel for these compile-time keys (config from pick_config on GPU)."""
     fkey = tuple(sorted(flags.items()))
     if arch == "cpu":
-        key = ("norm", kind, n, dtype, w_dtype, arch, fkey)
-        return compile_cached(key, arch, lambda: norm_program_cpu(kind, n, dtype, w_dtype, **flags))
+        return compile_norm(kind, n, dtype, w_dtype, arch, fkey, None)
     cfg_key = ("norm", kind, n, dtype, w_dtype, arch, fkey)
     cfg = _cfg_cache.get(cfg_key)
     if cfg is None:
-        elem = 4 if dtype == "float32" else 2
-        default = default_norm_config(n, elem, arch)
+        default, cands = _tuning_space(n, dtype, arch)
 
         def bench(c: dict) -> float:
-            k = _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, c)
+            k = compile_norm(kind, n, dtype, w_dtype, arch, fkey, tuple(sorted(c.items())))
             return median_ms(lambda: k(*args))
 
-        cfg = _pick_config(f"{kind}_norm", arch, (n, dtype, w_dtype, fkey), norm_candidates(n, elem, arch),
-                           default, bench) if args is not None else default
+        cfg = _pick_config(f"{kind}_norm", arch, (n, dtype, w_dtype, fkey), cands, default,
+                           bench) if args is not None else default
         if not tuning_suspended():  # a default picked while tuning is off is not final
             _cfg_cache[cfg_key] = cfg
-    return _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, cfg)
+    return compile_norm(kind, n, dtype, w_dtype, arch, fkey, tuple(sorted(cfg.items())))
 
 
 _cfg_cache: dict[tuple, dict] = {}
 
 
-def _norm_kernel_for(kind, n, dtype, w_dtype, arch, flags, cfg):
-    key = ("norm", kind, n, dtype, w_dtype, arch, tuple(sorted(flags.items())), tuple(sorted(cfg.items())))
-    return compile_cached(key, arch, lambda: norm_program_gpu(kind, n, dtype, w_dtype, **flags, **cfg))
+def _tuning_space(n: int, dtype: str, arch: str) -> tuple[dict, list[dict]]:
+    """(the default config, the tuning candidates) of a GPU norm over rows of n: the one definition
+    get_norm_kernel and planned_kernels share."""
+    elem = 4 if dtype == "float32" else 2
+    return default_norm_config(n, elem, arch), norm_candidates(n, elem, arch)
+
+
+def compile_norm(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flags: tuple, config: tuple | None):
+    """The compiled norm kernel for its keys: `flags` and (GPU only) `config` as sorted items."""
+    key = ("norm", kind, n, dtype, w_dtype, arch, flags, config)
+    if arch == "cpu":
+        return compile_cached(key, arch, lambda: norm_program_cpu(kind, n, dtype, w_dtype, **dict(flags)))
+    return compile_cached(key, arch, lambda: norm_program_gpu(kind, n, dtype, w_dtype, **dict(flags),
+                                                              **dict(config or ())))
 
 
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, *, return_sum: bool = True,

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.modules import SelfAttention
+from tests.modules import LinearAddNorm, SelfAttention
 from tkopt.frontends.fx import import_fx
 from tkopt.ir import Node
 from tkopt.kernels import gemm_epilogue, tuning
 from tkopt.kernels.arch import Build
 from tkopt.kernels.attention import tune_candidates
 from tkopt.kernels.gemm_epilogue import TUNE_CANDIDATES, _tuning_key
+from tkopt.kernels.norm import norm_candidates
 from tkopt.kernels.workers import map_in_workers
 from tkopt.passes.pipeline import run_passes
 from tkopt.targets import torch_target
@@ -65,6 +66,16 @@ def test_a_gemm_and_an_attention_plan_the_default_and_each_candidate_once(caches
 
     small, _ = _fused(torch.float16, batch=1, seq=40)  # M = 40 <= 64: GEMMs do not tune, attention does
     assert _tiles(planned_jobs(next(n for n in small if n.op == "FusedGemm"), CPU, H200)) == [(64, 128, 64)]
+
+
+def test_an_add_norm_plans_its_candidates_once(caches) -> None:
+    x = torch.randn(2, 48, 768, dtype=torch.float16)
+    dynamic = {1: torch.export.Dim.AUTO}
+    graph = import_fx(torch.export.export(LinearAddNorm(768).half(), (x, x), dynamic_shapes=(dynamic, dynamic)))
+    run_passes(graph, ())
+    norm = next(n for n in graph.nodes if n.op == "FusedAddNorm")
+    configs = [dict(job.args[6]) for job in planned_jobs(norm, CPU, H200)]  # compile_norm(..., config items)
+    assert configs == norm_candidates(768, 2, "sm90") and len(configs) > 1  # the default is the first one
 
 
 def test_a_cached_winner_is_all_that_is_planned(caches) -> None:

@@ -8,9 +8,9 @@ from conftest import cuda_compile, global_access_widths, lower_cuda
 
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.norm import (
-    _norm_kernel_for,
     add_layer_norm,
     add_rms_norm,
+    compile_norm,
     default_norm_config,
     layer_norm,
     norm_candidates,
@@ -167,10 +167,10 @@ def test_wrapper_compile_path_builds_without_gpu():
     arch; a device run once failed here (arch.target_of started returning a tvm Target)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
-    flags = dict(has_residual=True, has_weight=True, has_bias=False, write_sum=False, eps=1e-6)
-    cfg = {"block_rows": 4, "threads_per_row": 32}
-    k = _norm_kernel_for("rms", 256, "float16", "float16", "sm80", flags, cfg)
-    assert k is _norm_kernel_for("rms", 256, "float16", "float16", "sm80", flags, cfg)  # no recompile
+    flags = tuple(sorted(dict(has_residual=True, has_weight=True, has_bias=False, write_sum=False, eps=1e-6).items()))
+    cfg = (("block_rows", 4), ("threads_per_row", 32))
+    k = compile_norm("rms", 256, "float16", "float16", "sm80", flags, cfg)
+    assert k is compile_norm("rms", 256, "float16", "float16", "sm80", flags, cfg)  # no recompile
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,8 +9,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from tkopt.ir import Node, Value
+from tkopt.kernels.arch import Build
+from tkopt.kernels.workers import Compile
 
-from .base import Broadcast, FusedOp, ProgramSpec, Shape, Tensor, Unservable, check_dtypes, input_dtype, static_dim
+from .base import (
+    Broadcast,
+    FusedOp,
+    InputSpec,
+    ProgramSpec,
+    Shape,
+    Tensor,
+    Unservable,
+    check_dtypes,
+    input_dtype,
+    meta_tensors,
+    static_dim,
+)
 
 
 def _kind(attrs: dict[str, Any]) -> str:
@@ -37,6 +51,14 @@ def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
     if _kind(attrs) == "layer":
         return list(kernels.add_layer_norm(x, residual, weight, bias, attrs["epsilon"]))
     return list(kernels.add_rms_norm(x, residual, weight, attrs["epsilon"]))
+
+
+def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) -> list[Compile]:
+    from tkopt.kernels.norm import planned_kernels
+
+    x, residual, weight, bias = meta_tensors(specs)
+    kind = _kind(attrs)
+    return planned_kernels(kind, x, residual, weight, bias if kind == "layer" else None, attrs["epsilon"], True, build)
 
 
 def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
@@ -107,4 +129,5 @@ OP = FusedOp(
     kernel=kernel,
     output_shapes=output_shapes,
     program=program,
+    compiles=compiles,
 )
