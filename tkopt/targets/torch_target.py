@@ -38,6 +38,7 @@ import operator
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,7 @@ class TorchTarget(Target):
         self.call = call or (lambda fn: fn(*self.args, **self.kwargs))
         self.sized: dict[int, tuple[fx.GraphModule, list[Size]]] = {}  # per graph module: its sizes (`sizes`)
         self.seconds: dict[str, float] = {}
+        self.called: set[int] = set()  # ids of the callables `prepare_whole` called (held: programs, alternatives)
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -173,19 +175,25 @@ class TorchTarget(Target):
                 "unfused": "inductor" if self.inductor else "eager", "cuda_graphs": self.cuda_graphs}
 
     # ---- kernels ----------------------------------------------------------------------------------
-    def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
+    def probe(self, graph: Graph, nodes: list[Node], meanwhile: Callable[[], None] | None = None) -> dict[str, str]:
         """Compile and run each distinct kernel once on small random inputs; nodes with the same signature
         share one probe (and one compiled kernel: the kernels cache them by compile-time key). The kernels
-        are built in parallel workers first (kernel_builds.prebuild); the probes here then load them, one
-        at a time: on a GPU a probe may autotune, and timings taken side by side would be wrong."""
+        are built in parallel workers first (kernel_builds.prebuild), `meanwhile` running here as they do
+        (a thread waits on the workers); the probes here then load them, one at a time: on a GPU a probe
+        may autotune, and timings taken side by side would be wrong."""
         if not use_kernels():
+            if meanwhile is not None:
+                meanwhile()
             return {}
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
         reps = [group[0] for group in groups.values()]
-        with self._timed("kernels: parallel builds"):
-            prebuild(reps, self.device, self.fingerprint(), self.build_workers)
+        with self._timed("kernels: parallel builds"), ThreadPoolExecutor(1) as builder:
+            built = builder.submit(prebuild, reps, self.device, self.fingerprint(), self.build_workers)
+            if meanwhile is not None:
+                meanwhile()
+            built.result()
         with self._timed("kernels: probes"):
             reasons = {k: self._probe(group[0]) for k, group in groups.items()}
         record_built([n for n in reps if reasons[repr(_probe_key(n))] is None], self.device, self.fingerprint())
@@ -299,6 +307,19 @@ class TorchTarget(Target):
             self.built[name] = self.factories[name]()
         return self.built[name]
 
+    def prepare_whole(self, programs: list[fx.GraphModule]) -> None:
+        """The first calls of `programs` (as the user calls them) and of the alternatives: inductor compiles,
+        CUDA-graph captures. One that fails here is left to the race, which says why."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad(), self._timed("whole graph: first calls, while kernels build"):
+            firsts = [(self.as_user(run), run) for run in map(self.runner, programs)]
+            firsts += [(alt, alt) for alt in map(self.alternative, self.factories)]
+            for fn, inner in firsts:
+                with contextlib.suppress(Exception):
+                    self.call(fn)
+                    self.called.add(id(inner))
+
     def whole_key(self, graph: Graph, programs: dict[str, fx.GraphModule]) -> Any:
         inputs = [[str(x.dtype), list(x.shape)] if isinstance(x, torch.Tensor) else repr(x) for x in self.flat]
         return ["whole", {name: gm.code for name, gm in sorted(programs.items())}, inputs, sorted(self.factories)]
@@ -306,13 +327,16 @@ class TorchTarget(Target):
     def compare_whole(self, graph: Graph, programs: dict[str, fx.GraphModule]) -> dict[str, Timing]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        variants = {name: self.as_user(self.runner(gm)) for name, gm in programs.items()}
+        inner = {name: self.runner(gm) for name, gm in programs.items()}
+        variants = {name: self.as_user(run) for name, run in inner.items()}
         with unset_fake_temporarily(), torch.no_grad():
-            variants.update((name, self.alternative(name)) for name in self.factories)
+            inner.update((name, self.alternative(name)) for name in self.factories)
+            variants.update((name, inner[name]) for name in self.factories)
             calls = {name: (lambda fn=fn: self.call(fn)) for name, fn in variants.items()}
-            for fn in calls.values():  # compiles (inductor) and captures (CUDA graphs), timed apart
-                with self._timed("whole graph: first calls"):
-                    fn()
+            for name, call in calls.items():  # compiles (inductor) and captures (CUDA graphs), timed apart
+                if id(inner[name]) not in self.called:  # else `prepare_whole` made its first call
+                    with self._timed("whole graph: first calls"):
+                        call()
             return race(calls, self.device)
 
 
