@@ -17,10 +17,14 @@ Results go to DIR/compile_time.json and .md after every measurement (atomically)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime as dt
+import io
 import json
 import os
 import platform
+import pstats
 import signal
 import statistics
 import subprocess
@@ -36,15 +40,16 @@ from torch import nn
 
 VARIANTS = {"torch_compile": "inductor", "tkopt": "tkopt"}  # ours -> whole_models.make_variant's name
 RUNS = ("cold", "warm")
-LAPS = ("passes", "kernels", "selection", "emit", "whole graph")
+LAPS = ("export", "passes", "kernels", "selection", "emit", "whole graph")
 # A CPU smoke run's model: the encoder layer's shape at a size the CPU compiles in seconds.
 TINY = wm.Model("encoder_layer_tiny_2x16", lambda: nn.TransformerEncoderLayer(64, 4, 128, batch_first=True),
                 lambda: (torch.randn(2, 16, 64, device=wm.DEVICE),))
 MODELS = {**wm.MODELS, TINY.name: TINY}
 
 
-def child(model_name: str, variant: str, calls: int) -> dict[str, Any]:
-    """One measurement in this (fresh) process: build the compiled object, call it once, time `calls` more."""
+def child(model_name: str, variant: str, calls: int, profile: bool = False) -> dict[str, Any]:
+    """One measurement in this (fresh) process: build the compiled object, call it once, time `calls` more.
+    With `profile`, cProfile's top functions (cumulative) of the build and first call go in "profile"."""
     m = MODELS[model_name]
     torch.manual_seed(0)
     model = m.build().to(wm.DEVICE, wm.DTYPE).eval()
@@ -52,12 +57,18 @@ def child(model_name: str, variant: str, calls: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if variant == "tkopt":
         import tkopt  # noqa: F401 - imported up front, as a user's script does (torch already is)
+    profiler = cProfile.Profile() if profile else None
     with torch.no_grad():
         t0 = time.perf_counter()
-        fn = wm.make_variant(VARIANTS[variant], model, inputs)
-        got = fn(*inputs)
-        wm._sync()
+        with profiler or contextlib.nullcontext():
+            fn = wm.make_variant(VARIANTS[variant], model, inputs)
+            got = fn(*inputs)
+            wm._sync()
         out["first_call_s"] = time.perf_counter() - t0
+        if profiler is not None:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+            out["profile"] = text.getvalue()
         after = []
         for _ in range(calls):
             t = time.perf_counter()
@@ -80,7 +91,8 @@ def measure(model: str, variant: str, dirs: Path, args: argparse.Namespace) -> d
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(dirs / "inductor"), TRITON_CACHE_DIR=str(dirs / "triton"))
     if variant == "tkopt":
         env.update(TKOPT_CACHE_DIR=str(dirs / "tkopt"), TILELANG_CACHE_DIR=str(dirs / "tilelang"))
-    cmd = [sys.executable, __file__, "--child", model, variant, "--device", args.device, "--calls", str(args.calls)]
+    cmd = [sys.executable, __file__, "--child", model, variant, "--device", args.device, "--calls", str(args.calls),
+           *(["--profile"] if args.profile else [])]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
@@ -154,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 smoke run of the script only")
     p.add_argument("--calls", type=int, default=5, help="calls timed after the first")
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds one measurement may take")
+    p.add_argument("--profile", action="store_true", help="cProfile each compile and first call (in the JSON)")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     wm.DEVICE, wm.DTYPE = args.device, torch.float16 if args.device == "cuda" else torch.float32
     if args.child:
-        print(json.dumps(child(*args.child, args.calls)))
+        print(json.dumps(child(*args.child, args.calls, args.profile)))
         return 0
     if args.out is None:
         p.error("--out is required")

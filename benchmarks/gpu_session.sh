@@ -8,7 +8,8 @@
 #                                                   # attention_short: attention at sequence 512, head dim 64)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
 # WHOLE_TIMEOUT; compile: benchmarks/compile_time.py, cold and warm compile time against torch.compile, with
-# COMPILE_ARGS, COMPILE_TIMEOUT), MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
+# COMPILE_ARGS, COMPILE_TIMEOUT; overhead: benchmarks/call_overhead.py, each variant's host cost per call, with
+# OVERHEAD_ARGS, OVERHEAD_TIMEOUT), MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
 # onnxruntime-gpu wheel (CUDA 13) installed into a temporary folder ahead of the image's CPU onnxruntime, so the
 # CUDA-target op libraries run in ORT (tests/ort/test_cuda_session.py; skipped without it).
 # Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
@@ -49,6 +50,7 @@ case "$phase" in
         gemm_fp32) timeout 150 python benchmarks/bench_gemm.py --fp32 --out "$out" ;;
         whole) timeout "${WHOLE_TIMEOUT:-500}" python benchmarks/whole_models.py --out "$out" ${WHOLE_ARGS:-} ;;
         compile) timeout "${COMPILE_TIMEOUT:-500}" python benchmarks/compile_time.py --out "$out" ${COMPILE_ARGS:-} ;;
+        overhead) timeout "${OVERHEAD_TIMEOUT:-300}" python benchmarks/call_overhead.py --out "$out" ${OVERHEAD_ARGS:-} ;;
         attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
         attention_short) timeout 150 python benchmarks/bench_attention.py --short --out "$out" --prewarm 11 ;;
         norm) timeout 60 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1

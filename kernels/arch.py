@@ -27,14 +27,19 @@ class UnsupportedError(ValueError):
 
 def arch_of(t: torch.Tensor, override: str | None = None) -> str:
     """The variant for tensors on t's device; `override` or $TKOPT_ARCH force one (a GPU variant needs a GPU)."""
+    return arch_for(t.device, override)
+
+
+def arch_for(device: torch.device, override: str | None = None) -> str:
+    """arch_of for tensors on `device`."""
     forced = override or os.environ.get("TKOPT_ARCH")
-    if t.device.type == "cpu":
+    if device.type == "cpu":
         if forced and forced != "cpu":
             raise UnsupportedError(f"arch {forced!r} needs CUDA tensors, got tensors on cpu")
         return "cpu"
-    if t.device.type != "cuda":
-        raise UnsupportedError(f"no kernel variant for device {t.device}")
-    major, minor = torch.cuda.get_device_capability(t.device)
+    if device.type != "cuda":
+        raise UnsupportedError(f"no kernel variant for device {device}")
+    major, minor = torch.cuda.get_device_capability(device)
     native = "sm90" if (major, minor) == (9, 0) else "sm80" if major >= 8 else None
     if forced:
         if forced not in ARCHS or forced == "cpu":
@@ -63,7 +68,7 @@ class Build:
         """What kernels for tensors on `device` are built for in this process."""
         if device.type != "cuda":
             return cls("cpu")
-        return cls(arch_of(torch.empty(0, device=device)), device_sm(),
+        return cls(arch_for(device), device_sm(),
                    torch.cuda.get_device_properties(device).multi_processor_count)
 
 

@@ -217,6 +217,44 @@ def test_the_unfused_program_is_raced_and_runs_where_the_fusions_lose_together(c
     assert not any(n.is_fused for n in again.graph.nodes)
 
 
+def test_the_programs_that_need_no_kernel_are_readied_while_kernels_build(cache_dir, monkeypatch, one_thread) -> None:
+    """tkopt's unfused program and the plain alternatives need no kernel, so their first calls (on CUDA:
+    inductor's compiles, CUDA-graph captures) run while the kernels build, not after selection. With no
+    fusion kept, the program raced and returned is that unfused program, with no first call of its own."""
+    import threading
+
+    from tkopt.frontends.fx import import_fx
+    from tkopt.pipeline import optimize
+    from tkopt.targets import torch_target
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS["gpt2_block"]()
+    readied, overlapped, prepared = threading.Event(), [], []
+    real_prebuild, real_prepare = torch_target.prebuild, _Graphed.prepare_whole
+
+    def prebuild(*args, **kwargs) -> list:
+        built = real_prebuild(*args, **kwargs)
+        overlapped.append(readied.wait(timeout=60))  # returns at once where the programs were readied meanwhile
+        return built
+
+    def prepare_whole(self, programs) -> None:
+        prepared.extend(programs)
+        real_prepare(self, programs)
+        readied.set()
+
+    monkeypatch.setattr(torch_target, "prebuild", prebuild)
+    monkeypatch.setattr(_Graphed, "prepare_whole", prepare_whole)
+    target = _Graphed(inputs, alternatives={"eager": lambda: model})
+    result = optimize(import_fx(torch.export.export(model, inputs)), target, select="measured")
+    assert overlapped == [True]
+    assert not any(d.decision == "kept" for d in result.report.nodes)  # TileLang's serial CPU kernels lose
+    assert prepared == [result.emitted] and result.report.whole_graph.winner in ("tkopt", "eager")
+    seconds = result.report.seconds
+    assert "whole graph: first calls, while kernels build" in seconds and "whole graph: first calls" not in seconds
+    with torch.no_grad():
+        torch.testing.assert_close(target.runner(result.emitted)(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
 def _timing(ms: float) -> Timing:
     return Timing(ms, ms, ms, 3, 1, "perf_counter", ms)
 
@@ -326,6 +364,9 @@ def test_cuda_races_both_programs_as_their_own_graphs(cache_dir, monkeypatch) ->
     w = fast.tkopt_report.whole_graph
     print(fast.tkopt_report)
     assert set(w.times_ms) == {"tkopt", UNFUSED, "eager", "inductor"}, w
+    # the unfused program and the alternatives were compiled and captured while the kernels built
+    parts = {"whole graph: first calls, while kernels build", "whole graph: first calls"}
+    assert parts <= set(fast.tkopt_report.seconds)
     spec = fast.specializations[-1]
     assert all(key[1] is spec.run for key in fast.graphs.graphs) if spec.graphed else not fast.graphs.graphs
     with torch.no_grad():

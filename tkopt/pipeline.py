@@ -21,7 +21,9 @@ sealed; here the report is made.
    With no fusion kept, only the alternatives are compared (and with one, none is timed), unless the
    target's program adds something of its own (`Target.races_unfused`: CUDA graphs and inductor on
    torch-cuda); there, with fusions kept, the same program with every fusion put back ("tkopt unfused")
-   is raced too, and runs if it wins.
+   is raced too, and runs if it wins. That program and the alternatives need no kernel: their first calls
+   (compiles, captures) run while the kernels build (`Target.prepare_whole`), and with no fusion kept the
+   unfused program is the one returned.
 """
 
 from __future__ import annotations
@@ -111,10 +113,17 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     # A node the cache already declines is unfused whatever its kernel does: building the kernel only costs.
     declined = {name for name, key in keys.items() if (entry := cache.get(key)) is not None and not entry["kept"]}
     build = [n for n in candidates if n.name not in declined]
+    racing = cache is not None and bool(target.alternatives())
+    # Where the target's program adds something of its own, that program with no fusion is raced too: nodes
+    # that each won alone can still lose together (and on CUDA it stands in for torch.compile's CUDA graphs).
+    # It and the alternatives need no kernel, so they are readied (compiled, captured) while kernels build.
+    unfused = unfused_view(graph) if racing and candidates and target.races_unfused() else None
+    unfused_program = None if unfused is None else target.emit(unfused)
     failed: dict[str, str] = {}
     if build:
+        meanwhile = None if unfused_program is None else (lambda: target.prepare_whole([unfused_program]))
         with progress.step(f"building kernels for {len(build)} fused nodes on {target.where}"):
-            failed = target.probe(graph, build)
+            failed = target.probe(graph, build, meanwhile)
     for n in candidates:
         if n.name in failed:
             _decide(decisions[n.name], "kernel_failed", failed[n.name])
@@ -128,18 +137,17 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
         if decisions[n.name].decision != "kept":
             unfuse(graph, n)
     kept = [n for n in candidates if decisions[n.name].decision == "kept"]
-    racing = cache is not None and bool(target.alternatives())
-    # Where the target's program adds something of its own, that program with no fusion is raced too: nodes
-    # that each won alone can still lose together (and on CUDA it stands in for torch.compile's CUDA graphs).
-    unfused = unfused_view(graph) if racing and kept and target.races_unfused() else None
+    if unfused is not None and not kept:  # the program is the unfused one, already emitted (and readied)
+        # its nodes, not `graph` unfused now: sealing dropped what only the fallbacks read
+        graph.nodes = unfused.nodes
     seal(graph)
-    artifact = emitted = target.emit(graph)
+    artifact = emitted = unfused_program if unfused is not None and not kept else target.emit(graph)
     lap("emit")
     whole, winner = None, "tkopt"
     if racing:
         programs = {"tkopt": artifact} if kept or target.races_unfused() else {}
-        if unfused is not None:
-            programs[UNFUSED] = target.emit(unfused)
+        if unfused_program is not None and kept:
+            programs[UNFUSED] = unfused_program
         with progress.step("timing the whole graph against the plain alternatives"):
             whole = _whole(graph, target, programs, cache)
         winner = whole.winner
@@ -148,8 +156,7 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
                 if d.decision == "kept":
                     _decide(d, "declined", f"the whole graph ran faster as {winner}")
         if winner == UNFUSED:  # tkopt's own program still runs, with every fusion put back
-            # the view's nodes, not `graph` unfused now: sealing dropped what only the fallbacks read
-            graph.nodes = unfused.nodes
+            graph.nodes = unfused.nodes  # as above
             artifact = emitted = programs[UNFUSED]
             winner = "tkopt"
         elif winner != "tkopt":

@@ -33,6 +33,7 @@ shapes (static first, dynamic on a recompile), as the user's own torch.compile w
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -199,8 +200,10 @@ class CompiledModule(nn.Module):
 
     def specialize(self, args: tuple, kwargs: dict) -> Specialization:
         """Export and optimize for boxed (args, kwargs) (see `forward`)."""
+        t0 = time.perf_counter()
         ep = _export(self.module, args, kwargs, self.dynamic)
         graph = import_fx(ep)
+        exported = time.perf_counter() - t0
         flat, spec = pytree.tree_flatten(((args, kwargs), {}))
         device = first_device(flat)
         # Inductor on the rest: it fuses the elementwise ops tkopt leaves (RoPE, casts, masks) and calls
@@ -223,6 +226,7 @@ class CompiledModule(nn.Module):
         target = TorchTarget((args, kwargs), wrap=wrap, alternatives=self._alternatives(device),
                              cuda_graphs=self.cuda_graphs, inductor=use_inductor, as_user=as_user, call=call)
         result = optimize(graph, target, select=self.select, disable=self.disable, source=type(self.module).__name__)
+        result.report.seconds = {"export": exported, **result.report.seconds}
         gm = result.emitted
         won = result.winner == "tkopt"
         run = target.runner(gm) if won else result.artifact

@@ -50,8 +50,9 @@ class Target(ABC):
         """What a measurement on this target depends on beyond the node: device, threads, runtime versions."""
 
     @abstractmethod
-    def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
-        """Build (and where possible run) each node's kernel: {node name: why it fails} for those that do."""
+    def probe(self, graph: Graph, nodes: list[Node], meanwhile: Callable[[], None] | None = None) -> dict[str, str]:
+        """Build (and where possible run) each node's kernel: {node name: why it fails} for those that do.
+        `meanwhile` (work that needs no kernel) runs while they build, where they build outside this process."""
 
     @abstractmethod
     def node_key(self, graph: Graph, node: Node) -> Any:
@@ -74,6 +75,11 @@ class Target(ABC):
         against them, and against the fused program): it does where the target runs the program its own way,
         e.g. as CUDA graphs."""
         return False
+
+    def prepare_whole(self, programs: list[Any]) -> None:
+        """Ready what the whole-graph comparison will run that no selection changes (these programs of tkopt's and
+        the alternatives: compiles, captures), so that it can happen while kernels build (where `races_unfused`)."""
+        raise NotImplementedError
 
     def whole_key(self, graph: Graph, programs: dict[str, Any]) -> Any:
         """The JSON-able key of a whole-graph comparison of tkopt's `programs` (name -> artifact; none: the

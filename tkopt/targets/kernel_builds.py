@@ -21,7 +21,6 @@ sizes is planned at the example's: a GEMM's default tile (by M) and whether it t
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -212,12 +211,12 @@ def build_workers() -> int | None:
 
 
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
-             workers: int | None = None) -> dict[str, float]:
-    """Build the kernels the calls of `nodes` at their example shapes need (module docstring): those not built
-    here before in parallel worker interpreters, then every planned compile loaded here. Workers only where
-    more than one would work (`workers` defaults to TKOPT_BUILD_WORKERS, else one per core but one); a failed
-    wave only warns: what it left is compiled here as it is loaded. Returns the wall seconds of the wave and
-    of the loads."""
+             workers: int | None = None) -> list[Compile]:
+    """Build the kernels the calls of `nodes` at their example shapes need (module docstring), those not built
+    here before, in parallel worker interpreters: only where more than one would work (`workers` defaults to
+    TKOPT_BUILD_WORKERS, else one per core but one). A failed wave only warns: what it left is compiled as it is
+    loaded. Returns the compiles to `load` here: every planned one but those that failed in a worker. Makes no
+    CUDA calls, so it can run beside other work (TorchTarget.probe's thread)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
@@ -226,7 +225,6 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
     todo = {key: job for key, job in jobs.items() if key not in known}
     workers = workers or build_workers() or default_workers(len(todo))
     failed: set[str] = set()
-    t0 = time.perf_counter()
     if workers >= 2 and len(todo) >= 2:
         try:
             results = map_in_workers(build_job, list(todo.values()), workers)
@@ -234,8 +232,12 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
         except Exception as e:  # noqa: BLE001 - parallel builds are an optimization, never a requirement
             warnings.warn(f"tkopt: building kernels in {workers} workers failed ({type(e).__name__}: {e}); "
                           "building them one at a time", stacklevel=2)
-    t1 = time.perf_counter()
-    for key, job in jobs.items():
-        if isinstance(job, Compile) and key not in failed:  # a compile that failed there would fail here again
-            build_job(job)  # from TileLang's disk cache; a failure is reported where the kernel is used
-    return {"wave": t1 - t0, "loads": time.perf_counter() - t1}
+    return [job for key, job in jobs.items() if isinstance(job, Compile) and key not in failed]
+
+
+def load(compiles: Sequence[Compile]) -> None:
+    """Put `compiles` in this process's kernel caches, from TileLang's disk cache where the wave built them
+    (compiled here where it did not run), so that probes and tuning find them there. Not in prebuild's thread:
+    loading a kernel is a CUDA call, which a CUDA graph captured meanwhile on another thread could refuse."""
+    for job in compiles:
+        build_job(job)  # a failure is reported where the kernel is used

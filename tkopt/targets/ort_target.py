@@ -105,9 +105,12 @@ class OrtTarget(Target):
                 "providers": run.providers(self.arch), "sizes": self.sizes}
 
     # ---- kernels ----------------------------------------------------------------------------------
-    def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
+    def probe(self, graph: Graph, nodes: list[Node], meanwhile: Callable[[], None] | None = None) -> dict[str, str]:
         """Lower and compile each node's kernel (KernelLibrary.prepare); dims the export left unknown are
-        measured first, since kernels need static dims at build time."""
+        measured first, since kernels need static dims at build time. `meanwhile` runs first: the library
+        builds here, in this process."""
+        if meanwhile is not None:
+            meanwhile()
         if self.library is None:
             return {}
         small = self._small(graph)

@@ -38,6 +38,7 @@ import operator
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,7 @@ from tkopt.kernels.tuning import shape_bucket
 from tkopt.measure import Timer, Timing, compare, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
-from .kernel_builds import DTYPES, prebuild, probe_inputs, probe_specs, record_built
+from .kernel_builds import DTYPES, load, prebuild, probe_inputs, probe_specs, record_built
 
 GROWTH = 16  # the larger size's inputs hold about this many times the example's elements (module docstring)
 
@@ -137,6 +138,7 @@ class TorchTarget(Target):
         self.call = call or (lambda fn: fn(*self.args, **self.kwargs))
         self.sized: dict[int, tuple[fx.GraphModule, list[Size]]] = {}  # per graph module: its sizes (`sizes`)
         self.seconds: dict[str, float] = {}
+        self.called: set[int] = set()  # ids of the callables `prepare_whole` called (held: programs, alternatives)
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -174,20 +176,27 @@ class TorchTarget(Target):
                 "unfused": "inductor" if self.inductor else "eager", "cuda_graphs": self.cuda_graphs}
 
     # ---- kernels ----------------------------------------------------------------------------------
-    def probe(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
+    def probe(self, graph: Graph, nodes: list[Node], meanwhile: Callable[[], None] | None = None) -> dict[str, str]:
         """Run each distinct kernel once on random inputs of its example shapes; nodes with the same signature
         share one probe (and one compiled kernel: the kernels cache them by compile-time key). The kernels
         their calls use, tuning candidates included, are built in one parallel wave first and loaded here
-        (kernel_builds.prebuild); the probes then only check them, with tuning off."""
+        (kernel_builds.prebuild), `meanwhile` running here as they do (a thread waits on the workers); the
+        probes then only check them, with tuning off: tuning belongs at the real shapes."""
         if not use_kernels():
+            if meanwhile is not None:
+                meanwhile()
             return {}
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
-        with self._timed("kernels: parallel builds"):  # every node: one signature's nodes may differ in M
-            built = prebuild(nodes, self.device, self.fingerprint(), self.build_workers)
-        part = "kernels: parallel builds, of which loading them here"
-        self.seconds[part] = self.seconds.get(part, 0.0) + built["loads"]
+        # every node, not one per group: one signature's nodes may differ in M, and a GEMM's default tile with it
+        with self._timed("kernels: parallel builds"), ThreadPoolExecutor(1) as builder:
+            built = builder.submit(prebuild, nodes, self.device, self.fingerprint(), self.build_workers)
+            if meanwhile is not None:
+                meanwhile()
+            compiles = built.result()
+        with self._timed("kernels: loading the built kernels"):
+            load(compiles)
         with self._timed("kernels: probes"):
             reasons = {k: self._probe(group[0]) for k, group in groups.items()}
         record_built([n for k, group in groups.items() if reasons[k] is None for n in group], self.device,
@@ -304,6 +313,19 @@ class TorchTarget(Target):
             self.built[name] = self.factories[name]()
         return self.built[name]
 
+    def prepare_whole(self, programs: list[fx.GraphModule]) -> None:
+        """The first calls of `programs` (as the user calls them) and of the alternatives: inductor compiles,
+        CUDA-graph captures. One that fails here is left to the race, which says why."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad(), self._timed("whole graph: first calls, while kernels build"):
+            firsts = [(self.as_user(run), run) for run in map(self.runner, programs)]
+            firsts += [(alt, alt) for alt in map(self.alternative, self.factories)]
+            for fn, inner in firsts:
+                with contextlib.suppress(Exception):
+                    self.call(fn)
+                    self.called.add(id(inner))
+
     def whole_key(self, graph: Graph, programs: dict[str, fx.GraphModule]) -> Any:
         inputs = [[str(x.dtype), list(x.shape)] if isinstance(x, torch.Tensor) else repr(x) for x in self.flat]
         return ["whole", {name: gm.code for name, gm in sorted(programs.items())}, inputs, sorted(self.factories)]
@@ -311,13 +333,16 @@ class TorchTarget(Target):
     def compare_whole(self, graph: Graph, programs: dict[str, fx.GraphModule]) -> dict[str, Timing]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        variants = {name: self.as_user(self.runner(gm)) for name, gm in programs.items()}
+        inner = {name: self.runner(gm) for name, gm in programs.items()}
+        variants = {name: self.as_user(run) for name, run in inner.items()}
         with unset_fake_temporarily(), torch.no_grad():
-            variants.update((name, self.alternative(name)) for name in self.factories)
+            inner.update((name, self.alternative(name)) for name in self.factories)
+            variants.update((name, inner[name]) for name in self.factories)
             calls = {name: (lambda fn=fn: self.call(fn)) for name, fn in variants.items()}
-            for fn in calls.values():  # compiles (inductor) and captures (CUDA graphs), timed apart
-                with self._timed("whole graph: first calls"):
-                    fn()
+            for name, call in calls.items():  # compiles (inductor) and captures (CUDA graphs), timed apart
+                if id(inner[name]) not in self.called:  # else `prepare_whole` made its first call
+                    with self._timed("whole graph: first calls"):
+                        call()
             return race(calls, self.device)
 
 
