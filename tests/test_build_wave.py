@@ -55,17 +55,17 @@ def test_a_gemm_and_an_attention_plan_the_default_and_each_candidate_once(caches
     gemm = next(n for n in nodes if n.op == "FusedGemm")
     attention = next(n for n in nodes if n.op == "FusedAttention")
 
-    tiles = _tiles(planned_jobs(gemm, CPU, H200))
+    tiles = _tiles(planned_jobs(gemm, H200))
     # M = 96: the default tile is the one 96 rows get on 132 SMs (64x128), not a probe size's; then each candidate
     assert tiles == [(64, 128, 64), *(c["block_tile"] for c in TUNE_CANDIDATES["sm90"])]
-    assert all(job.args[0][10] is None for job in planned_jobs(gemm, CPU, H200)), "M must stay dynamic"
+    assert all(job.args[0][10] is None for job in planned_jobs(gemm, H200)), "M must stay dynamic"
 
-    jobs = planned_jobs(attention, CPU, H200)
+    jobs = planned_jobs(attention, H200)
     assert [dict(job.args[2]) for job in jobs] == tune_candidates("sm90", 64)  # the default is the first one
     assert {job.args[1][5] for job in jobs} == {("bshd",) * 4}, "the layouts the transposed views are read in"
 
     small, _ = _fused(torch.float16, batch=1, seq=40)  # M = 40 <= 64: GEMMs do not tune, attention does
-    assert _tiles(planned_jobs(next(n for n in small if n.op == "FusedGemm"), CPU, H200)) == [(64, 128, 64)]
+    assert _tiles(planned_jobs(next(n for n in small if n.op == "FusedGemm"), H200)) == [(64, 128, 64)]
 
 
 def test_an_add_norm_plans_its_candidates_once(caches) -> None:
@@ -74,7 +74,7 @@ def test_an_add_norm_plans_its_candidates_once(caches) -> None:
     graph = import_fx(torch.export.export(LinearAddNorm(768).half(), (x, x), dynamic_shapes=(dynamic, dynamic)))
     run_passes(graph, ())
     norm = next(n for n in graph.nodes if n.op == "FusedAddNorm")
-    configs = [dict(job.args[6]) for job in planned_jobs(norm, CPU, H200)]  # compile_norm(..., config items)
+    configs = [dict(job.args[6]) for job in planned_jobs(norm, H200)]  # compile_norm(..., config items)
     assert configs == norm_candidates(768, 2, "sm90") and len(configs) > 1  # the default is the first one
 
 
@@ -86,14 +86,14 @@ def test_a_cached_winner_is_all_that_is_planned(caches) -> None:
     key = _tuning_key(96, 256, 256, torch.float16, None, True, False, True, "ieee")  # q's projection: bias, W^T
     tuning.pick_config("gemm", "sm90", key, cands, {"block_tile": (64, 128, 64)},
                        lambda c: 1.0 if c == cands[2] else 2.0)
-    (gkey,) = {job.args[1] for job in planned_jobs(attention, CPU, H200)}
+    (gkey,) = {job.args[1] for job in planned_jobs(attention, H200)}
     attn_cands = tune_candidates("sm90", 64)
     tuning.pick_config("flash_attention", "sm90", gkey + (2, 64, 64), attn_cands, attn_cands[0],
                        lambda c: 1.0 if c == attn_cands[1] else 2.0)
     tuning.clear_memory_cache()  # read back from the files, as a later process does
 
-    assert _tiles(planned_jobs(gemm, CPU, H200)) == [cands[2]["block_tile"]]
-    assert [dict(job.args[2]) for job in planned_jobs(attention, CPU, H200)] == [attn_cands[1]]
+    assert _tiles(planned_jobs(gemm, H200)) == [cands[2]["block_tile"]]
+    assert [dict(job.args[2]) for job in planned_jobs(attention, H200)] == [attn_cands[1]]
 
 
 def test_nodes_of_one_signature_plan_their_builds_once(caches) -> None:
@@ -101,8 +101,8 @@ def test_nodes_of_one_signature_plan_their_builds_once(caches) -> None:
     projections = [n for n in nodes if n.op == "FusedGemm" and n.inputs[3] is None]
     assert len(projections) == 3  # q, k and v
     builds = planned_builds(nodes, CPU, {"device": "this test"}, H200)
-    per_node = [job for n in nodes for job in planned_jobs(n, CPU, H200)]
-    assert len(builds) == len(set(per_node)) == len(per_node) - 2 * len(planned_jobs(projections[0], CPU, H200))
+    per_node = [job for n in nodes for job in planned_jobs(n, H200)]
+    assert len(builds) == len(set(per_node)) == len(per_node) - 2 * len(planned_jobs(projections[0], H200))
 
 
 @pytest.mark.slow  # two fresh interpreters import torch and TileLang and lower two sm90 GEMMs: 6-15 s on 2 cores
@@ -110,7 +110,7 @@ def test_compiles_built_in_workers_are_disk_loads_here(caches, monkeypatch) -> N
     from tilelang.cache import kernel_cache
 
     nodes, _ = _fused(torch.float16)
-    jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), CPU, H200)[:2]  # the default, a candidate
+    jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), H200)[:2]  # the default, a candidate
     assert map_in_workers(build_job, jobs, 2) == [None, None]
 
     compiles = []

@@ -65,7 +65,7 @@ class FusedOp:
     fake implementation and ONNX shape inference share it. `program(node, arch)` picks the TileLang
     program for an IR node (raising Unservable when none serves it). `compiles(specs, attrs, build)` lists
     the kernel compiles calls on inputs like `specs` will use, tuning candidates included, so that they can
-    be built in parallel ahead of the calls (None: the kernel is built by running it once).
+    be built in parallel ahead of the calls (tkopt.targets.kernel_builds).
     """
 
     name: str
@@ -77,10 +77,10 @@ class FusedOp:
     kernel: Compute
     output_shapes: ShapeRule
     program: Callable[[Node, str], ProgramSpec]
+    compiles: PlanCompiles
     optional_inputs: frozenset[str] = frozenset()
     optional_outputs: frozenset[str] = frozenset()
     input_types: Mapping[str, str] = field(default_factory=dict)  # ONNX type constraint by input, else "T"
-    compiles: PlanCompiles | None = None
 
     def full_attrs(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         unknown = set(attrs) - set(self.attrs)

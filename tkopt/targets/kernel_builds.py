@@ -4,12 +4,12 @@ interpreters that compiles every kernel selection will run or time, then loads h
 Each fused node's calls at its example shapes use known kernels: the cached tuning winner, else the default
 config and, where the kernel tunes at those shapes, each tuning candidate (`FusedOp.compiles`, from the
 kernels' own `planned_kernels`). Each is one job of the wave, deduplicated across nodes, so the wave balances
-and nothing compiles twice. These jobs only compile (no kernel runs, so they need no GPU; workers never
-time). An op without a plan is built by running it once on random inputs of its example shapes, with tuning
-off. TileLang's lowering holds the GIL, so threads do not overlap builds; fresh interpreters do
+and nothing compiles twice. Jobs only compile: no kernel runs, so they need no GPU, and workers never time.
+TileLang's lowering holds the GIL, so threads do not overlap builds; fresh interpreters do
 (tkopt.kernels.workers), and TileLang's disk cache hands what they built to this process, which then loads
-each compiled kernel into its kernels' caches: the probes that follow only load and check, and tuning at
-the real shapes only times (it starts no compiles of its own). Kernels this machine has built before
+each compiled kernel into its kernels' caches: the probes that follow (one run of each distinct kernel on
+random inputs of the example's shapes and strides, tuning off) only check, and tuning at the real shapes only
+times (it starts no compiles of its own). Kernels this machine has built before
 (recorded in the tkopt cache, `built-kernels.json`) are left to TileLang's disk cache: starting workers for
 them would cost a warm compile seconds for nothing.
 
@@ -28,15 +28,12 @@ from typing import Any
 import torch
 
 from tkopt.cache import JsonFile, cache_path, digest, versions
-from tkopt.fused_ops import run_kernel, schema
+from tkopt.fused_ops import schema
 from tkopt.fused_ops.base import TORCH_DTYPES as DTYPES
 from tkopt.fused_ops.base import InputSpec
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
-from tkopt.kernels.tuning import suspended
 from tkopt.kernels.workers import Compile, default_workers, map_in_workers
-
-Job = Compile | tuple[str, dict, list[InputSpec], str]  # a compile, or (op, attrs, input specs, device) to run
 
 
 def example_specs(node: Node) -> list[InputSpec]:
@@ -148,30 +145,23 @@ def probe_inputs(specs: Sequence[InputSpec], device: torch.device) -> list[torch
     return tensors
 
 
-def build_job(job: Job) -> str | None:
-    """A worker's build: a compile, or a fused op run once with tuning off -> None, or why it failed."""
+def build_job(job: Compile) -> str | None:
+    """A worker's build: one compile -> None, or why it failed."""
     try:
-        with suspended():
-            if isinstance(job, Compile):
-                job.run()
-            else:
-                op, attrs, specs, device = job
-                run_kernel(op, probe_inputs(specs, torch.device(device)), attrs)
+        job.run()
     except Exception as e:  # noqa: BLE001 - the parent's own probe or tuning reports it
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def planned_jobs(node: Node, device: torch.device, build: Build) -> list[Job]:
-    """The builds a node's calls at its example shapes need (module docstring); none where its inputs cannot be
-    described or its op refuses them (the probe then says why)."""
+def planned_jobs(node: Node, build: Build) -> list[Compile]:
+    """The compiles a node's calls at its example shapes use (module docstring); none where its inputs cannot
+    be described or its op refuses them (the probe then says why)."""
     try:
         specs = probe_specs(node)
     except ValueError:
         return []
     op = schema(node.op)
-    if op.compiles is None:
-        return [(node.op, dict(node.attrs), specs, str(device))]
     try:
         return list(op.compiles(specs, op.full_attrs(node.attrs), build))
     except Exception:  # noqa: BLE001 - the probe runs the kernel and reports it
@@ -179,11 +169,11 @@ def planned_jobs(node: Node, device: torch.device, build: Build) -> list[Job]:
 
 
 def planned_builds(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
-                   build: Build | None = None) -> dict[str, Job]:
-    """The build jobs of `nodes`, each once, by their key in `built-kernels.json` (`fingerprint`: the device and
+                   build: Build | None = None) -> dict[str, Compile]:
+    """The compiles of `nodes`, each once, by their key in `built-kernels.json` (`fingerprint`: the device and
     runtimes; `build`: what kernels are built for, by default what `device` runs)."""
     build = build or Build.here(device)
-    return {digest(versions(), fingerprint, job): job for n in nodes for job in planned_jobs(n, device, build)}
+    return {digest(versions(), fingerprint, job): job for n in nodes for job in planned_jobs(n, build)}
 
 
 def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any]) -> None:
@@ -232,7 +222,7 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
         except Exception as e:  # noqa: BLE001 - parallel builds are an optimization, never a requirement
             warnings.warn(f"tkopt: building kernels in {workers} workers failed ({type(e).__name__}: {e}); "
                           "building them one at a time", stacklevel=2)
-    return [job for key, job in jobs.items() if isinstance(job, Compile) and key not in failed]
+    return [job for key, job in jobs.items() if key not in failed]
 
 
 def load(compiles: Sequence[Compile]) -> None:
