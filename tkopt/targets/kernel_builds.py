@@ -13,16 +13,17 @@ times (it starts no compiles of its own). Kernels this machine has built before
 (recorded in the tkopt cache, `built-kernels.json`) are left to TileLang's disk cache: starting workers for
 them would cost a warm compile seconds for nothing.
 
-Sizes: compile keys are size-free (GEMM rows, attention's batch and lengths are dynamic), so a larger size
-measured later (tkopt.input_sizes) tunes again over the same candidates: it only times. Only what depends on
-sizes is planned at the example's: a GEMM's default tile (by M) and whether it tunes (M > 64).
+Sizes: compile keys are size-free (GEMM rows, attention's batch and lengths are dynamic), so the larger size
+selection measures a node at too (TorchTarget.sizes, tkopt.input_sizes) tunes again over the same candidates:
+it only times. What does depend on sizes, a GEMM's default tile (by M) and whether it tunes (M > 64), is
+planned at each size: a GEMM of few rows at the example tunes at the larger size.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +37,11 @@ from tkopt.kernels.arch import Build
 from tkopt.kernels.workers import Compile, default_workers, map_in_workers
 
 
-def example_specs(node: Node) -> list[InputSpec]:
+def example_specs(node: Node, at: Mapping[Any, int] | None = None) -> list[InputSpec]:
     """A node's inputs as (dtype, shape, strides) at the example inputs, as its calls there get them (the FX
-    values' sizes and strides; a constant a pass made is contiguous). Raises ValueError for an input whose
-    sizes the graph does not hold."""
+    values' sizes and strides; a constant a pass made is contiguous); with `at` (the graph's input symbols'
+    sizes at another size, TorchTarget.sizes), there. Raises ValueError for an input whose sizes the graph
+    does not hold."""
     specs: list[InputSpec] = []
     for v in node.inputs:
         if v is None:
@@ -48,7 +50,7 @@ def example_specs(node: Node) -> list[InputSpec]:
         _check_buildable(v)
         val = getattr(v.origin, "meta", {}).get("val")
         if isinstance(val, torch.Tensor) and val.dim() == len(v.shape):  # type: ignore[arg-type]
-            specs.append((v.dtype, _concrete(val.shape, v), _concrete(val.stride(), v)))  # type: ignore[arg-type]
+            specs.append((v.dtype, _concrete(val.shape, v, at), _concrete(val.stride(), v, at)))  # type: ignore[arg-type]
         elif all(isinstance(d, int) for d in v.shape):  # type: ignore[union-attr]
             specs.append((v.dtype, tuple(v.shape), _contiguous(v.shape)))  # type: ignore[arg-type]
         else:
@@ -99,10 +101,14 @@ def _check_buildable(v: Value) -> None:
         raise ValueError(f"input {v.name} has a dim of unknown size")
 
 
-def _concrete(dims: Sequence[Any], v: Value) -> tuple[int, ...]:
+def _concrete(dims: Sequence[Any], v: Value, at: Mapping[Any, int] | None = None) -> tuple[int, ...]:
+    """Sizes (or strides) as ints: at the symbols' sizes `at` where they decide them, else the example's."""
     out = []
     for d in dims:
-        hint = d.node.hint if isinstance(d, torch.SymInt) else d
+        hint = d
+        if isinstance(d, torch.SymInt):
+            expr = d.node.expr
+            hint = int(expr.subs(at)) if at and expr.free_symbols <= at.keys() else d.node.hint
         if hint is None:
             raise ValueError(f"input {v.name} has a size with no example value")
         out.append(int(hint))
@@ -154,33 +160,37 @@ def build_job(job: Compile) -> str | None:
     return None
 
 
-def planned_jobs(node: Node, build: Build) -> list[Compile]:
-    """The compiles a node's calls at its example shapes use (module docstring); none where its inputs cannot
-    be described or its op refuses them (the probe then says why)."""
-    try:
-        specs = probe_specs(node)
-    except ValueError:
-        return []
+def planned_jobs(node: Node, build: Build, sizes: Sequence[Mapping[Any, int]] = ()) -> list[Compile]:
+    """The compiles a node's calls at its example shapes use (module docstring), and at each of `sizes` (the
+    input symbols' sizes selection measures it at too: a GEMM with few rows at the example tunes there); none
+    where its inputs cannot be described or its op refuses them (the probe then says why)."""
     op = schema(node.op)
-    try:
-        return list(op.compiles(specs, op.full_attrs(node.attrs), build))
-    except Exception:  # noqa: BLE001 - the probe runs the kernel and reports it
-        return []
+    jobs: list[Compile] = []
+    for at in (None, *sizes):
+        try:
+            specs = probe_specs(node) if at is None else example_specs(node, at)
+            jobs += op.compiles(specs, op.full_attrs(node.attrs), build)
+        except Exception:  # noqa: BLE001 - the probe, or the measurement there, runs the kernel and reports it
+            continue
+    return list(dict.fromkeys(jobs))
 
 
 def planned_builds(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
-                   build: Build | None = None) -> dict[str, Compile]:
-    """The compiles of `nodes`, each once, by their key in `built-kernels.json` (`fingerprint`: the device and
-    runtimes; `build`: what kernels are built for, by default what `device` runs)."""
+                   sizes: Sequence[Mapping[Any, int]] = (), build: Build | None = None) -> dict[str, Compile]:
+    """The compiles of `nodes` (at the example and `sizes`), each once, by their key in `built-kernels.json`
+    (`fingerprint`: the device and runtimes; `build`: what kernels are built for, by default what `device`
+    runs)."""
     build = build or Build.here(device)
-    return {digest(versions(), fingerprint, job): job for n in nodes for job in planned_jobs(n, build)}
+    return {digest(versions(), fingerprint, job): job for n in nodes for job in planned_jobs(n, build, sizes)}
 
 
-def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any]) -> None:
-    """Note that the kernels of `nodes` were built on this machine (their probes passed)."""
+def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
+                 sizes: Sequence[Mapping[Any, int]] = ()) -> None:
+    """Note that the kernels of `nodes` (planned at the example and `sizes`) were built on this machine (their
+    probes passed)."""
     built = JsonFile(cache_path("built-kernels.json"))
     known = built.read()
-    for key in planned_builds(nodes, device, fingerprint):
+    for key in planned_builds(nodes, device, fingerprint, sizes):
         if key not in known:
             try:
                 built.update(key, True)
@@ -201,8 +211,9 @@ def build_workers() -> int | None:
 
 
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
-             workers: int | None = None) -> list[Compile]:
-    """Build the kernels the calls of `nodes` at their example shapes need (module docstring), those not built
+             sizes: Sequence[Mapping[Any, int]] = (), workers: int | None = None) -> list[Compile]:
+    """Build the kernels the calls of `nodes` at their example shapes and at `sizes` (the input symbols' sizes
+    selection measures them at too) need (module docstring), those not built
     here before, in parallel worker interpreters: only where more than one would work (`workers` defaults to
     TKOPT_BUILD_WORKERS, else one per core but one). A failed wave only warns: what it left is compiled as it is
     loaded. Returns the compiles to `load` here: every planned one but those that failed in a worker. Makes no
@@ -210,7 +221,7 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
-        jobs = planned_builds(nodes, device, fingerprint)
+        jobs = planned_builds(nodes, device, fingerprint, sizes)
     known = JsonFile(cache_path("built-kernels.json")).read()
     todo = {key: job for key, job in jobs.items() if key not in known}
     workers = workers or build_workers() or default_workers(len(todo))

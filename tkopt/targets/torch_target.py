@@ -189,9 +189,12 @@ class TorchTarget(Target):
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
-        # every node, not one per group: one signature's nodes may differ in M, and a GEMM's default tile with it
+        # every node, not one per group: one signature's nodes may differ in M, and a GEMM's default tile with it;
+        # at each size selection measures them at (a GEMM of few rows at the example tunes at the larger one)
+        gm = graph.meta.get("fx_module") if graph is not None else None
+        sizes = [size.dims for size in self.sizes(gm)[1:]] if gm is not None else []
         with self._timed("kernels: parallel builds"), ThreadPoolExecutor(1) as builder:
-            built = builder.submit(prebuild, nodes, self.device, self.fingerprint(), self.build_workers)
+            built = builder.submit(prebuild, nodes, self.device, self.fingerprint(), sizes, self.build_workers)
             if meanwhile is not None:
                 meanwhile()
             compiles = built.result()
@@ -200,7 +203,7 @@ class TorchTarget(Target):
         with self._timed("kernels: probes"):
             reasons = {k: self._probe(group[0]) for k, group in groups.items()}
         record_built([n for k, group in groups.items() if reasons[k] is None for n in group], self.device,
-                     self.fingerprint())
+                     self.fingerprint(), sizes)
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
 
     def _probe(self, node: Node) -> str | None:
