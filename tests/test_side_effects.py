@@ -48,18 +48,18 @@ def test_parallel_precompile_does_not_rerun_an_unguarded_script(tmp_path: Path) 
 
 @pytest.mark.gpu
 def test_compile_does_not_rerun_an_unguarded_script(tmp_path: Path) -> None:
-    """tkopt.compile of a model with several GEMMs in half precision on the GPU (tuning precompiles
-    the GEMMs' candidate kernels in parallel)."""
+    """tkopt.compile of a model with several GEMMs in half precision on the GPU (the build wave compiles the
+    GEMMs' candidate kernels in parallel workers)."""
     _run_once(f"""
         print({LINE!r}, flush=True)
         import torch
         from torch import nn
         import tkopt
 
-        # three GEMMs of one shape and epilogue: one tuning key, so one batch of candidate compiles
+        # three GEMMs of one shape and epilogue: one tuning key, so one set of candidate compiles
         model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(1024, 1024), nn.ReLU())]).half().cuda().eval()
         x = torch.randn(4, 128, 1024, device="cuda", dtype=torch.half)
         compiled = tkopt.compile(model, (x,), select="all")
         assert compiled.tkopt_report.fusions["gemm"] == 3
         torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
-    """, tmp_path, timeout=1200, TKOPT_AUTOTUNE="1")  # tuning is what precompiles (gpu_session turns it off)
+    """, tmp_path, timeout=1200, TKOPT_AUTOTUNE="1", TKOPT_BUILD_WORKERS="2")  # gpu_session.sh turns both off
