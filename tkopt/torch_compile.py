@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,10 +77,24 @@ class Specialization:
     state: StateGuard  # the buffers it folded: a write to one after compiling makes it stale
     accuracy: Accuracy | None = None  # with check_accuracy: fused against eager at several admitted sizes
     guarded: dict[tuple, bool] = field(default_factory=dict)  # the export's guards' verdict per symbol sizes
+    verdicts: dict[Hashable, bool] = field(default_factory=dict)  # `accepts`' verdict per call key (_call_key)
 
     def accepts(self, spec: pytree.TreeSpec, flat: Sequence[Any]) -> bool:
+        """Whether this program serves inputs `flat` (of structure `spec`). Decided once per call key: binding
+        the sizes to the export's symbols and ranges took most of a call's host time (~100 us)."""
         if spec != self.in_spec or len(flat) != len(self.inputs) or self.state.changed() is not None:
             return False
+        key = _call_key(flat)
+        if key is None:
+            return self._accepts(flat)
+        verdict = self.verdicts.get(key)
+        if verdict is None:
+            if len(self.verdicts) >= VERDICTS:
+                self.verdicts.clear()
+            verdict = self.verdicts[key] = self._accepts(flat)
+        return verdict
+
+    def _accepts(self, flat: Sequence[Any]) -> bool:
         bound: dict[sympy.Symbol, int] = {}
         derived: list[tuple[sympy.Expr, int]] = []
 
@@ -120,6 +134,20 @@ class Specialization:
         if sizes not in self.guarded:
             self.guarded[sizes] = guards_refuse(self.module, flat) is None
         return self.guarded[sizes]
+
+
+VERDICTS = 256  # call keys a specialization remembers its verdict for (a model called at every length)
+
+
+def _call_key(flat: Sequence[Any]) -> Hashable | None:
+    """What `accepts` reads of `flat`: each tensor's shape, dtype and device type, every other value; None where
+    a value cannot be a dict key."""
+    key = tuple((x.shape, x.dtype, x.device.type) if isinstance(x, torch.Tensor) else (type(x), x) for x in flat)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 class Exported(nn.Module):
@@ -215,7 +243,8 @@ class CompiledModule(nn.Module):
         def as_user(run: Any) -> Any:  # tkopt's program behind this module's own call path
             def user_call(*a: Any, **kw: Any) -> Any:
                 boxer = Boxer()
-                return self._call(index, run, boxer, boxer.box((a, kw)))
+                boxed = boxer.box((a, kw))
+                return self._call(index, run, boxer, boxed, *pytree.tree_flatten((boxed, {})))
 
             return user_call
 
@@ -271,10 +300,11 @@ class CompiledModule(nn.Module):
             alternatives["inductor"] = lambda: torch.compile(self.module)
         return alternatives
 
-    def _call(self, index: int, run: Any, boxer: Boxer, boxed: tuple[tuple, dict]) -> Any:
-        """A call of tkopt's program `run` (specialization `index`) on the user's arguments, boxed by `boxer`:
-        replayed as a CUDA graph where it can be, the objects passed in updated to the state the model left."""
-        flat, spec = pytree.tree_flatten((boxed, {}))
+    def _call(self, index: int, run: Any, boxer: Boxer, boxed: tuple[tuple, dict], flat: list[Any],
+              spec: pytree.TreeSpec) -> Any:
+        """A call of tkopt's program `run` (specialization `index`) on the user's arguments, boxed by `boxer`
+        (`flat`, `spec`: `(boxed, {})` flattened): replayed as a CUDA graph where it can be, the objects passed
+        in updated to the state the model left."""
         self.uncaptured_reason = "cuda_graphs=False" if not self.cuda_graphs else capturable(flat, self.module)
         if self.uncaptured_reason is not None:
             out, finals = run(*boxed)
@@ -298,7 +328,7 @@ class CompiledModule(nn.Module):
         if not entry.graphed:
             self.uncaptured_reason = f"the plain alternative runs ({entry.report.whole_graph.winner})"
             return entry.run(*args, **kwargs)
-        return self._call(index, entry.run, boxer, boxed)
+        return self._call(index, entry.run, boxer, boxed, flat, spec)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

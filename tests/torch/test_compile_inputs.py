@@ -34,3 +34,24 @@ def test_a_size_the_exports_guards_refuse_gets_its_own_specialization(monkeypatc
             inputs = model.example_inputs(batch=2, seq=seq)
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
             assert len(compiled.specializations) == programs
+
+
+def test_a_program_decides_once_per_input_shape_whether_it_serves_a_call(monkeypatch) -> None:
+    """Binding a call's sizes to the export's symbols and ranges took ~100 us of host time on every call, on the
+    H200 more than a CUDA-graph replay of an encoder layer leaves to spare; it is decided once per shape."""
+    from tkopt.models import blocks
+    from tkopt.torch_compile import Specialization
+
+    monkeypatch.setenv("TKOPT_KERNELS", "reference")
+    decided = []
+    real = Specialization._accepts
+    monkeypatch.setattr(Specialization, "_accepts",
+                        lambda self, flat: decided.append(flat[0].shape) or real(self, flat))
+    torch.manual_seed(0)
+    model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=64, heads=4, max_seq=128)).eval()
+    compiled = tkopt.compile(model, model.example_inputs(batch=2, seq=77), select="all")
+    with torch.no_grad():
+        for seq in (77, 77, 100, 100, 77):
+            inputs = model.example_inputs(batch=2, seq=seq)
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert [s[1] for s in decided] == [77, 100] and len(compiled.specializations) == 1
