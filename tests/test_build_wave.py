@@ -120,6 +120,24 @@ def test_nodes_of_one_signature_plan_their_builds_once(caches) -> None:
     assert len(builds) == len(set(per_node)) == len(per_node) - 2 * len(planned_jobs(projections[0], H200))
 
 
+def test_a_default_picked_with_tuning_suspended_is_not_kept(caches, monkeypatch) -> None:
+    """A probe's config (tuning off) must not become the config of the calls at real shapes, which tune (here: a
+    cached winner stands in for the tuning, so that nothing compiles or runs)."""
+    monkeypatch.setattr(gemm_epilogue, "_SELECTED", {})
+    cands = TUNE_CANDIDATES["sm90"]
+    args = ("gemm", "sm90", 96, 256, 256, torch.float16, None, True, False, True)
+
+    def run(config):
+        raise AssertionError("nothing is timed here")
+
+    with tuning.suspended():
+        assert gemm_epilogue.select_config(*args, run).block_tile == (128, 256, 64)  # the default (no SM count)
+    key = _tuning_key(96, 256, 256, torch.float16, None, True, False, True, "ieee")
+    tuning.pick_config("gemm", "sm90", key, cands, {"block_tile": (128, 256, 64)},
+                       lambda c: 1.0 if c == cands[2] else 2.0)
+    assert gemm_epilogue.select_config(*args, run).block_tile == cands[2]["block_tile"]
+
+
 @pytest.mark.slow  # two fresh interpreters import torch and TileLang and lower two sm90 GEMMs: 6-15 s on 2 cores
 def test_compiles_built_in_workers_are_disk_loads_here(caches, monkeypatch) -> None:
     from tilelang.cache import kernel_cache
