@@ -9,7 +9,7 @@ import torch
 
 from tests.modules import LinearAddNorm, SelfAttention
 from tkopt.frontends.fx import import_fx
-from tkopt.ir import Node
+from tkopt.ir import Graph, Node
 from tkopt.kernels import gemm_epilogue, tuning
 from tkopt.kernels.arch import Build
 from tkopt.kernels.attention import tune_candidates
@@ -36,14 +36,14 @@ def caches(tmp_path, monkeypatch):
     tuning.clear_memory_cache()
 
 
-def _fused(dtype: torch.dtype, batch: int = 2, seq: int = 48, hidden: int = 256) -> tuple[list[Node], tuple]:
+def _fused(dtype: torch.dtype, batch: int = 2, seq: int = 48, hidden: int = 256) -> tuple[list[Node], tuple, Graph]:
     """SelfAttention's fused nodes, exported with a dynamic sequence at (batch, seq, hidden): GEMMs of
-    M = batch * seq rows and attention of head dim 64."""
+    M = batch * seq rows and attention of head dim 64; the example inputs; the graph."""
     model = SelfAttention(hidden, hidden // 64).to(dtype).eval()
     x = torch.randn(batch, seq, hidden, dtype=dtype)
     graph = import_fx(torch.export.export(model, (x,), dynamic_shapes=({1: torch.export.Dim.AUTO},)))
     run_passes(graph, ())
-    return [n for n in graph.nodes if n.is_fused], (x,)
+    return [n for n in graph.nodes if n.is_fused], (x,), graph
 
 
 def _tiles(jobs) -> list[tuple[int, int, int]]:
@@ -51,7 +51,7 @@ def _tiles(jobs) -> list[tuple[int, int, int]]:
 
 
 def test_a_gemm_and_an_attention_plan_the_default_and_each_candidate_once(caches) -> None:
-    nodes, _ = _fused(torch.float16)
+    nodes, _, _ = _fused(torch.float16)
     gemm = next(n for n in nodes if n.op == "FusedGemm")
     attention = next(n for n in nodes if n.op == "FusedAttention")
 
@@ -64,7 +64,7 @@ def test_a_gemm_and_an_attention_plan_the_default_and_each_candidate_once(caches
     assert [dict(job.args[2]) for job in jobs] == tune_candidates("sm90", 64)  # the default is the first one
     assert {job.args[1][5] for job in jobs} == {("bshd",) * 4}, "the layouts the transposed views are read in"
 
-    small, _ = _fused(torch.float16, batch=1, seq=40)  # M = 40 <= 64: GEMMs do not tune, attention does
+    small, _, _ = _fused(torch.float16, batch=1, seq=40)  # M = 40 <= 64: GEMMs do not tune, attention does
     assert _tiles(planned_jobs(next(n for n in small if n.op == "FusedGemm"), H200)) == [(64, 128, 64)]
 
 
@@ -94,7 +94,7 @@ def test_an_add_norm_plans_its_candidates_once(caches) -> None:
 
 
 def test_a_cached_winner_is_all_that_is_planned(caches) -> None:
-    nodes, _ = _fused(torch.float16)
+    nodes, _, _ = _fused(torch.float16)
     gemm = next(n for n in nodes if n.op == "FusedGemm")
     attention = next(n for n in nodes if n.op == "FusedAttention")
     cands = TUNE_CANDIDATES["sm90"]
@@ -112,7 +112,7 @@ def test_a_cached_winner_is_all_that_is_planned(caches) -> None:
 
 
 def test_nodes_of_one_signature_plan_their_builds_once(caches) -> None:
-    nodes, _ = _fused(torch.float16)
+    nodes, _, _ = _fused(torch.float16)
     projections = [n for n in nodes if n.op == "FusedGemm" and n.inputs[3] is None]
     assert len(projections) == 3  # q, k and v
     builds = planned_builds(nodes, CPU, {"device": "this test"}, build=H200)
@@ -142,7 +142,7 @@ def test_a_default_picked_with_tuning_suspended_is_not_kept(caches, monkeypatch)
 def test_compiles_built_in_workers_are_disk_loads_here(caches, monkeypatch) -> None:
     from tilelang.cache import kernel_cache
 
-    nodes, _ = _fused(torch.float16)
+    nodes, _, _ = _fused(torch.float16)
     jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), H200)[:2]  # the default, a candidate
     assert map_in_workers(build_job, jobs, 2) == [None, None]
 
@@ -159,7 +159,7 @@ def test_the_probe_checks_the_example_shapes_with_tuning_off(caches, monkeypatch
     """Tuning belongs at the real shapes; a probe that tuned timed candidates at a size no call has (each
     attention kernel's three candidates compiled and timed serially here: most of 16.6 s on the H200)."""
     monkeypatch.setenv("TKOPT_BUILD_WORKERS", "1")
-    nodes, args = _fused(torch.float32, hidden=64)
+    nodes, args, graph = _fused(torch.float32, hidden=64)
     gemm = next(n for n in nodes if n.op == "FusedGemm")
     seen = []
     run = torch_target.run_kernel
@@ -169,7 +169,7 @@ def test_the_probe_checks_the_example_shapes_with_tuning_off(caches, monkeypatch
         return run(op, inputs, attrs)
 
     monkeypatch.setattr(torch_target, "run_kernel", spy)
-    assert TorchTarget(args).probe(None, [gemm]) == {}
+    assert TorchTarget(args).probe(graph, [gemm]) == {}
     assert seen == [(True, [(2, 48, 64), (64, 64), (64,)])]
 
 

@@ -137,8 +137,9 @@ def _size_key(v: Value, axis: int) -> tuple[int, int | str]:
 
 def probe_inputs(specs: Sequence[InputSpec], device: torch.device) -> list[torch.Tensor | None]:
     """Seeded random tensors of `specs` on `device`, with the specs' strides (broadcast dims of stride 0
-    included); bools mostly true: masks that keep most positions."""
-    gen = torch.Generator().manual_seed(0)
+    included), drawn there (the example's sizes can be large); bools mostly true: masks that keep most
+    positions."""
+    gen = torch.Generator(device).manual_seed(0)
     tensors: list[torch.Tensor | None] = []
     for spec in specs:
         if spec is None:
@@ -146,8 +147,11 @@ def probe_inputs(specs: Sequence[InputSpec], device: torch.device) -> list[torch
             continue
         dtype, shape, strides = DTYPES[spec[0]], spec[1], spec[2]
         storage = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-        t = torch.rand(storage, generator=gen) > 0.1 if dtype == torch.bool else torch.randn(storage, generator=gen)
-        tensors.append(t.to(dtype).to(device).as_strided(shape, strides))
+        if dtype == torch.bool:
+            t = torch.rand(storage, generator=gen, device=device) > 0.1
+        else:
+            t = torch.randn(storage, generator=gen, device=device)
+        tensors.append(t.to(dtype).as_strided(shape, strides))
     return tensors
 
 

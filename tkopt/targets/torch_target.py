@@ -189,10 +189,11 @@ class TorchTarget(Target):
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
-        # every node, not one per group: one signature's nodes may differ in M, and a GEMM's default tile with it;
-        # at each size selection measures them at (a GEMM of few rows at the example tunes at the larger one)
-        gm = graph.meta.get("fx_module") if graph is not None else None
-        sizes = [size.dims for size in self.sizes(gm)[1:]] if gm is not None else []
+        # Every node, not one per group: one signature's nodes may differ in M, and a GEMM's default tile with it.
+        # At each size selection measures them at, where it measures (its node keys sized the graph): a GEMM of
+        # few rows at the example tunes at the larger size.
+        sized = self.sized.get(id(graph.meta.get("fx_module")))
+        sizes = [size.dims for size in sized[1][1:]] if sized is not None else []
         with self._timed("kernels: parallel builds"), ThreadPoolExecutor(1) as builder:
             built = builder.submit(prebuild, nodes, self.device, self.fingerprint(), sizes, self.build_workers)
             if meanwhile is not None:
