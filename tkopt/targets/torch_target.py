@@ -199,7 +199,7 @@ class TorchTarget(Target):
             if meanwhile is not None:
                 meanwhile()
             compiles = built.result()
-        with self._timed("kernels: loading the built kernels"):
+        with self._timed("kernels: loads here (compiles where no worker built)"):
             load(compiles)
         with self._timed("kernels: probes"):
             reasons = {k: self._probe(group[0]) for k, group in groups.items()}
