@@ -1,7 +1,8 @@
 """Flash attention forward: softmax(q k^T * scale + mask) v, online softmax, fp32 accumulate.
 
-Semantics are exactly `reference.flash_attention_ref`. One public entry point, `flash_attention`, and
-two public program builders that another engineer lowers to C / CUDA source:
+Semantics are exactly `reference.flash_attention_ref`. One public entry point, `flash_attention` (and
+`planned_kernels`: the compiles its call on such tensors uses, tuning candidates included, for a build wave
+ahead of the calls), and two public program builders that another engineer lowers to C / CUDA source:
 
 - `gpu_program(arch, ...)`: the sm90 (wgmma, TMA loads, T.Pipelined; TileLang's producer/consumer
   warp specialization applies automatically to the TMA pipeline) and sm80 (mma.sync, cp.async;

@@ -5,6 +5,8 @@ Public:
   config (kernels/tuning.py, key bucketed on M).
 - `gemm_custom(a, b, config, bias=None, act=None, residual=None, b_transposed=False, out=None)`: your tiles.
 - `gemm_program(...)`: the program builder (a `@T.prim_func`), for lowering to C / CUDA source.
+- `planned_kernels(kind, build, M, N, K, ...)`: the compiles calls of M rows will use, tuning candidates
+  included (as `workers.Compile` jobs), so that a build wave can compile them ahead in parallel.
 
 Compile-time keys of `gemm_program`: arch ("sm90" | "sm80" | "cpu"), N, K, dtype, TileConfig, b_transposed,
 has_bias, act, has_residual, gated (two B operands and accumulators, gate multiplied in the epilogue: the

@@ -5,6 +5,8 @@ Public API (semantics: kernels/reference.py):
     add_rms_norm(x, residual, weight, eps=1e-6, *, return_sum=True, out=None, sum_out=None)
         -> (normed, x + residual), or only normed when return_sum=False (the sum is then never written).
     layer_norm(x, weight, bias, eps=1e-5), rms_norm(x, weight, eps=1e-6) -> normed
+    planned_kernels(kind, x, residual, weight, bias, eps, return_sum, build)
+        -> the compiles such a call uses, tuning candidates included (for a build wave ahead of the calls).
 
 Program builders (for lowering to CUDA / C source elsewhere):
     norm_program_gpu(kind, n, dtype, w_dtype, *, has_residual, has_weight, has_bias, write_sum, eps,
