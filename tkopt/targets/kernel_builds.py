@@ -216,12 +216,12 @@ def build_workers() -> int | None:
 
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
              sizes: Sequence[Mapping[Any, int]] = (), workers: int | None = None) -> list[Compile]:
-    """Build the kernels the calls of `nodes` at their example shapes and at `sizes` (the input symbols' sizes
-    selection measures them at too) need (module docstring), those not built
-    here before, in parallel worker interpreters: only where more than one would work (`workers` defaults to
-    TKOPT_BUILD_WORKERS, else one per core but one). A failed wave only warns: what it left is compiled as it is
-    loaded. Returns the compiles to `load` here: every planned one but those that failed in a worker. Makes no
-    CUDA calls, so it can run beside other work (TorchTarget.probe's thread)."""
+    """Build the kernels the calls of `nodes` need at their example shapes and at `sizes` (the input symbols'
+    sizes selection measures them at too; module docstring), those not built here before, in parallel worker
+    interpreters: only where more than one would work (`workers` defaults to TKOPT_BUILD_WORKERS, else one per
+    core but one). A failed wave only warns: what it left is compiled as it is loaded. Returns the compiles to
+    `load` here: every planned one but those that failed in a worker. Loads and runs nothing on the device, so
+    it can run beside other work (TorchTarget.probe's thread)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
