@@ -104,15 +104,18 @@ class Timer:
 
 
 def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 20, warmup: int = 3,
-         max_seconds: float = 3.0, burst: int = 4) -> dict[str, Timing]:
+         max_seconds: float = 3.0, lead: int = 2, burst: int = 4) -> dict[str, Timing]:
     """Each variant timed as a user's loop runs it: `warmup` untimed calls each (CUDA-graph modes record on
     their second or third call), then rounds of one turn per variant, the order rotated each round so drift
-    and the machine's other load hit all alike; median per variant. On CUDA a turn is `burst` calls back to
-    back after the device is idle, bracketed by events with no synchronization inside, so the CPU launches
-    ahead as in a loop and a call's time is what the stream spends on it, its launch cost showing exactly
-    where the CPU cannot keep ahead. Turns do not overlap: one call after another variant's still running
-    would hide its launch cost behind that variant's work (an encoder layer's program raced at 0.246 ms and
-    ran at 0.339 ms alone). Rounds stop after `max_seconds` (at least 5)."""
+    and the machine's other load hit all alike; median per variant. On CUDA a turn is the steady state of a
+    loop of that variant alone: from an idle device, `lead` calls untimed, then `burst` calls bracketed by
+    events, with no synchronization in between, so the CPU is as far ahead as it gets in a loop and a call's
+    time is what the stream spends on it, its launch cost showing exactly where the CPU cannot keep ahead.
+    Turns do not overlap: one call after another variant's still running would hide its launch cost behind
+    that variant's work (an encoder layer's program raced at 0.246 ms and ran at 0.339 ms alone); and timed
+    from the first call after a synchronization, a variant that launches many kernels paid its first
+    call's host time uncovered (eager at 0.408 ms against 0.240 in a loop). Rounds stop after `max_seconds`
+    (at least 5)."""
     cuda = _on_cuda(device)
     names = list(fns)
     for name in names:
@@ -123,18 +126,20 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
     for r in range(runs):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            samples[name].append(_turn(fns[name], device, burst) if cuda else _cpu_sample(fns[name]))
+            samples[name].append(_turn(fns[name], device, lead, burst) if cuda else _cpu_sample(fns[name]))
         if r >= 4 and time.perf_counter() - t0 > max_seconds:
             break
     return {name: Timing.of(samples[name], warmup, _method(cuda)) for name in names}
 
 
-def _turn(fn: Callable[[], Any], device: Any, burst: int) -> float:
-    """Milliseconds per call of `burst` calls of `fn` back to back, from an idle device."""
+def _turn(fn: Callable[[], Any], device: Any, lead: int, burst: int) -> float:
+    """Milliseconds per call of `burst` calls of `fn` after `lead` untimed ones, back to back from an idle device."""
     import torch
 
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(lead):
+        fn()
     start.record()
     for _ in range(burst):
         fn()
