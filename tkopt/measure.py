@@ -104,7 +104,7 @@ class Timer:
 
 
 def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 20, warmup: int = 3,
-         max_seconds: float = 3.0, lead: int = 2, burst: int = 4) -> dict[str, Timing]:
+         max_seconds: float = 3.0, lead: int = 2, burst: int = 4, warm_s: float = 1.0) -> dict[str, Timing]:
     """Each variant timed as a user's loop runs it: `warmup` untimed calls each (CUDA-graph modes record on
     their second or third call), then rounds of one turn per variant, the order rotated each round so drift
     and the machine's other load hit all alike; median per variant. On CUDA a turn is the steady state of a
@@ -114,13 +114,18 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
     Turns do not overlap: one call after another variant's still running would hide its launch cost behind
     that variant's work (an encoder layer's program raced at 0.246 ms and ran at 0.339 ms alone); and timed
     from the first call after a synchronization, a variant that launches many kernels paid its first
-    call's host time uncovered (eager at 0.408 ms against 0.240 in a loop). Rounds stop after `max_seconds`
-    (at least 5)."""
+    call's host time uncovered (eager at 0.408 ms against 0.240 in a loop). On CUDA the warm-up rounds last
+    at least `warm_s`: a race follows a compile that left the GPU and the CPU idle, at low clocks, and a few
+    calls do not bring them back (an eager module read 0.364 ms first and 0.228 ms later in one run). Rounds
+    stop after `max_seconds` (at least 5)."""
     cuda = _on_cuda(device)
     names = list(fns)
-    for name in names:
-        for _ in range(warmup):
+    t0 = time.perf_counter()
+    done = 0
+    while done < warmup or (cuda and time.perf_counter() - t0 < warm_s):
+        for name in names:
             fns[name]()
+        done += 1
     samples: dict[str, list[float]] = {name: [] for name in names}
     t0 = time.perf_counter()
     for r in range(runs):
