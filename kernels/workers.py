@@ -17,6 +17,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,13 +55,41 @@ class Compile:
         return getattr(importlib.import_module(module), name)(*self.args)
 
 
+class Cancel:
+    """Stops a `map_in_workers` call from another thread: `cancel()` kills the workers it started and keeps it
+    from starting more, and the call raises RuntimeError. tkopt's probe compiles the whole graph while a thread
+    waits on the build wave; interrupted there (Ctrl-C), it leaves at once instead of when the wave ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: list[subprocess.Popen] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            procs = list(self._procs)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    def started(self, p: subprocess.Popen) -> bool:
+        """Record worker `p`; False where the call is already cancelled (the caller then stops)."""
+        with self._lock:
+            if not self.cancelled:
+                self._procs.append(p)
+            return not self.cancelled
+
+
 def default_workers(n_jobs: int) -> int:
     """Workers for n_jobs: one per core but one, at most one per job."""
     return max(1, min(n_jobs, (os.cpu_count() or 2) - 1))
 
 
-def map_in_workers(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int) -> list[Any]:
-    """[fn(job) for job in jobs], run in `workers` fresh interpreters (jobs dealt round-robin).
+def map_in_workers(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int,
+                   cancel: Cancel | None = None) -> list[Any]:
+    """[fn(job) for job in jobs], run in `workers` fresh interpreters (jobs dealt round-robin); `cancel` stops it
+    from another thread.
 
     `fn` must be a module-level function of an importable module (not `__main__`: importing that would run
     the user's script); jobs and results must pickle. A worker that fails raises RuntimeError naming its exit
@@ -80,6 +109,8 @@ def map_in_workers(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int) 
             p = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, path], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE)
             procs.append(p)
+            if cancel is not None and not cancel.started(p):
+                raise RuntimeError(f"map_in_workers: {module}.{name} was cancelled")
             p.stdin.write(pickle.dumps((module, name, [jobs[i] for i in share])))
             p.stdin.close()
         for share, p in zip(shares, procs, strict=True):

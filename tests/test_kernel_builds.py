@@ -3,12 +3,14 @@ built here before start no workers."""
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
 import torch
 
 from tkopt.frontends.fx import import_fx
+from tkopt.ir import Graph
 from tkopt.models.blocks import REFERENCE_MODELS
 from tkopt.passes.pipeline import run_passes
 from tkopt.targets.kernel_builds import input_specs, prebuild, record_built
@@ -61,3 +63,36 @@ def test_probe_shapes_keep_the_example_sizes_relations() -> None:
     specs = input_specs(node)
     (_, qs, _), (_, ks, _), (_, vs, _) = specs[:3]
     assert ks == vs and qs[2] < ks[2] and qs[0] == ks[0], specs
+
+
+def test_an_interrupt_while_the_whole_graph_compiles_does_not_wait_for_the_build_wave(monkeypatch) -> None:
+    """TorchTarget.probe compiles the whole graph's alternatives while a thread waits on the build wave (tens of
+    seconds of compiles on the H200). Interrupted there (Ctrl-C), it left only when the wave ended; it now stops
+    the workers, whether they started before the interrupt or after, and leaves at once."""
+    import threading
+
+    from tkopt.kernels import workers
+    from tkopt.targets import torch_target
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    spawned = threading.Event()
+    real_popen = workers.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        spawned.set()
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(workers.subprocess, "Popen", popen)
+    # a wave of two workers that would sleep a minute each (time.sleep is a module-level importable function)
+    monkeypatch.setattr(torch_target, "prebuild",
+                        lambda *args: workers.map_in_workers(time.sleep, [60.0, 60.0], 2, args[-1]))
+    target = torch_target.TorchTarget((torch.randn(2),))
+
+    def interrupted() -> None:
+        spawned.wait(timeout=30)
+        raise KeyboardInterrupt
+
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        target.probe(Graph("g"), [], interrupted)
+    assert time.perf_counter() - t0 < 20

@@ -34,7 +34,7 @@ from tkopt.fused_ops.base import TORCH_DTYPES as DTYPES
 from tkopt.fused_ops.base import InputSpec
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
-from tkopt.kernels.workers import Compile, default_workers, map_in_workers
+from tkopt.kernels.workers import Cancel, Compile, default_workers, map_in_workers
 
 
 def example_specs(node: Node, at: Mapping[Any, int] | None = None) -> list[InputSpec]:
@@ -215,13 +215,14 @@ def build_workers() -> int | None:
 
 
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
-             sizes: Sequence[Mapping[Any, int]] = (), workers: int | None = None) -> list[Compile]:
+             sizes: Sequence[Mapping[Any, int]] = (), workers: int | None = None,
+             cancel: Cancel | None = None) -> list[Compile]:
     """Build the kernels the calls of `nodes` need at their example shapes and at `sizes` (the input symbols'
     sizes selection measures them at too; module docstring), those not built here before, in parallel worker
     interpreters: only where more than one would work (`workers` defaults to TKOPT_BUILD_WORKERS, else one per
     core but one). A failed wave only warns: what it left is compiled as it is loaded. Returns the compiles to
     `load` here: every planned one but those that failed in a worker. Loads and runs nothing on the device, so
-    it can run beside other work (TorchTarget.probe's thread)."""
+    it can run beside other work (TorchTarget.probe's thread), which may `cancel` it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
@@ -232,7 +233,7 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
     failed: set[str] = set()
     if workers >= 2 and len(todo) >= 2:
         try:
-            results = map_in_workers(build_job, list(todo.values()), workers)
+            results = map_in_workers(build_job, list(todo.values()), workers, cancel)
             failed = {key for key, why in zip(todo, results, strict=True) if why is not None}
         except Exception as e:  # noqa: BLE001 - parallel builds are an optimization, never a requirement
             warnings.warn(f"tkopt: building kernels in {workers} workers failed ({type(e).__name__}: {e}); "

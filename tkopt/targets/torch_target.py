@@ -57,6 +57,7 @@ from tkopt.input_sizes import guards_refuse, resize_inputs, resized, shape_range
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels import tuning
 from tkopt.kernels.tuning import shape_bucket
+from tkopt.kernels.workers import Cancel
 from tkopt.measure import Timer, Timing, compare, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
@@ -195,9 +196,14 @@ class TorchTarget(Target):
         sized = self.sized.get(id(graph.meta.get("fx_module")))
         sizes = [size.dims for size in sized[1][1:]] if sized is not None else []
         with self._timed("kernels: parallel builds"), ThreadPoolExecutor(1) as builder:
-            built = builder.submit(prebuild, nodes, self.device, self.fingerprint(), sizes, self.build_workers)
-            if meanwhile is not None:
-                meanwhile()
+            cancel = Cancel()
+            built = builder.submit(prebuild, nodes, self.device, self.fingerprint(), sizes, self.build_workers, cancel)
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            except BaseException:  # an interrupt (Ctrl-C) leaves now, not when the wave ends
+                cancel.cancel()
+                raise
             compiles = built.result()
         with self._timed("kernels: loads here (compiles where no worker built)"):
             load(compiles)
