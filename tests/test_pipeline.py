@@ -195,6 +195,10 @@ def test_the_unfused_program_is_raced_and_runs_where_the_fusions_lose_together(c
         target = _Graphed(inputs, alternatives={"slow": lambda: slow})
         return optimize(import_fx(torch.export.export(model, inputs)), target, select="measured"), target
 
+    readied = []
+    real_prepare = _Graphed.prepare_whole
+    monkeypatch.setattr(_Graphed, "prepare_whole",
+                        lambda self, programs: readied.append(1) or real_prepare(self, programs))
     result, target = run()
     w = result.report.whole_graph
     assert set(w.times_ms) == {"tkopt", UNFUSED, "slow"} and w.winner == UNFUSED, w
@@ -214,6 +218,9 @@ def test_the_unfused_program_is_raced_and_runs_where_the_fusions_lose_together(c
     _refuse_to_measure(monkeypatch, TorchTarget)
     again, _ = run()
     assert again.report.whole_graph.cached and again.report.whole_graph.winner == UNFUSED
+    # every decision cached (all kept): the kept nodes' kernels load, and nothing is compiled beside them for a race
+    # that will not run
+    assert readied == [1]
     assert not any(n.is_fused for n in again.graph.nodes)
 
 

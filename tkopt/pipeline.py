@@ -110,18 +110,23 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
                  for n in candidates}
     cache = DecisionCache(target.name, target.fingerprint()) if select == "measured" else None
     keys = {n.name: target.node_key(graph, n) for n in candidates} if cache is not None else {}
+    known = {name: entry for name, key in keys.items() if (entry := cache.get(key)) is not None}
     # A node the cache already declines is unfused whatever its kernel does: building the kernel only costs.
-    declined = {name for name, key in keys.items() if (entry := cache.get(key)) is not None and not entry["kept"]}
+    declined = {name for name, entry in known.items() if not entry["kept"]}
     build = [n for n in candidates if n.name not in declined]
     racing = cache is not None and bool(target.alternatives())
     # Where the target's program adds something of its own, that program with no fusion is raced too: nodes
     # that each won alone can still lose together (and on CUDA it stands in for torch.compile's CUDA graphs).
-    # It and the alternatives need no kernel, so they are readied (compiled, captured) while kernels build.
+    # It and the alternatives need no kernel, so they are readied (compiled, captured) while kernels build,
+    # where selection will measure: with every node's decision cached, so is the whole graph's, most likely
+    # (one compile stores both), and kept nodes' kernels then load while nothing needs readying.
     unfused = unfused_view(graph) if racing and candidates and target.races_unfused() else None
     unfused_program = None if unfused is None else target.emit(unfused)
     failed: dict[str, str] = {}
     if build:
-        meanwhile = None if unfused_program is None else (lambda: target.prepare_whole([unfused_program]))
+        measuring = len(known) < len(candidates)
+        ready = unfused_program is not None and measuring
+        meanwhile = (lambda: target.prepare_whole([unfused_program])) if ready else None
         with progress.step(f"building kernels for {len(build)} fused nodes on {target.where}"):
             failed = target.probe(graph, build, meanwhile)
     for n in candidates:
