@@ -3,7 +3,8 @@
 A fused op is one unit. Its module (`gemm.py`, `gated_mlp.py`, `attention.py`, `add_norm.py`) defines
 one `FusedOp` (base.py), named `OP`: its positional inputs and outputs (optional ones named), its
 attributes with defaults, its output-shape rule, its torch reference (the one statement of its
-semantics, on `tkopt.kernels.reference`), its kernel adapter (torch tensors to `tkopt.kernels`) and its
+semantics, on `tkopt.kernels.reference`), its kernel adapter (torch tensors to `tkopt.kernels`), its build
+plan (`compiles`: the kernel compiles a node's calls use, which the torch targets' build wave makes) and its
 native ORT binding (`program`: which TileLang program serves a node on an arch, and how the node's
 tensors bind to the program's buffers). Derived from it, with no per-op code elsewhere: the torch custom
 op `tkopt::<torch_name>` with its fake and autograd (backends/torch_ops.py), the ONNX schema and shape
