@@ -93,6 +93,17 @@ def stand_in(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return torch.empty(shape, dtype=x.dtype, device="meta")
 
 
+def size_at(dim: Any, sizes: Mapping[Any, int]) -> int | None:
+    """A dim's size where the symbols have `sizes`: an int as it is, a SymInt's expression evaluated there
+    (2*s0 follows s0); None where it reads a symbol `sizes` does not set, or is neither."""
+    if isinstance(dim, int):
+        return dim
+    if not isinstance(dim, torch.SymInt):
+        return None
+    expr = dim.node.expr
+    return int(expr.subs(sizes)) if expr.free_symbols <= sizes.keys() else None
+
+
 def resize_inputs(examples: Sequence[Any], flat: Sequence[Any], sizes: Mapping[Any, int],
                   make: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> list[Any]:
     """`flat` (the real inputs, one per example) with every symbolic dim at its size in `sizes`: tensors remade
@@ -101,10 +112,8 @@ def resize_inputs(examples: Sequence[Any], flat: Sequence[Any], sizes: Mapping[A
 
     def size(want: Any, got: int) -> int:
         """`want`'s size under `sizes`; `got` (the example's) where it reads a symbol not in `sizes`."""
-        if not isinstance(want, torch.SymInt):
-            return int(want)
-        expr = want.node.expr
-        return int(expr.subs(sizes)) if expr.free_symbols <= sizes.keys() else got
+        new = size_at(want, sizes)
+        return got if new is None else new
 
     out = []
     for ex, x in zip(examples, flat, strict=True):

@@ -32,6 +32,7 @@ from tkopt.cache import JsonFile, cache_path, digest, versions
 from tkopt.fused_ops import schema
 from tkopt.fused_ops.base import TORCH_DTYPES as DTYPES
 from tkopt.fused_ops.base import InputSpec
+from tkopt.input_sizes import size_at
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
 from tkopt.kernels.workers import Cancel, Compile, default_workers, map_in_workers
@@ -107,8 +108,8 @@ def _concrete(dims: Sequence[Any], v: Value, at: Mapping[Any, int] | None = None
     for d in dims:
         hint = d
         if isinstance(d, torch.SymInt):
-            expr = d.node.expr
-            hint = int(expr.subs(at)) if at and expr.free_symbols <= at.keys() else d.node.hint
+            size = size_at(d, at) if at else None
+            hint = d.node.hint if size is None else size
         if hint is None:
             raise ValueError(f"input {v.name} has a size with no example value")
         out.append(int(hint))

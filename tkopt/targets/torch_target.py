@@ -53,7 +53,7 @@ from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
 from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import run_kernel, schema, use_kernels
-from tkopt.input_sizes import guards_refuse, resize_inputs, resized, shape_ranges, stand_in, torch_dims
+from tkopt.input_sizes import guards_refuse, resize_inputs, resized, shape_ranges, size_at, stand_in, torch_dims
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels import tuning
 from tkopt.kernels.tuning import shape_bucket
@@ -395,12 +395,8 @@ def _shape_key(v: Value, larger: Sequence[Mapping[Any, int]] = ()) -> list[Any] 
 
 def _bucket_at(d: Any, dims: Mapping[Any, int]) -> Any:
     """The shape bucket of dim `d` where the symbols have the sizes `dims` ("?" where it reads others)."""
-    if isinstance(d, int):
-        return shape_bucket(d)
-    expr = d.node.expr if isinstance(d, torch.SymInt) else None
-    if expr is None or not expr.free_symbols <= dims.keys():
-        return "?"
-    return shape_bucket(int(expr.subs(dims)))
+    size = size_at(d, dims)
+    return "?" if size is None else shape_bucket(size)
 
 
 def larger_sizes(gm: fx.GraphModule, flat: Sequence[Any], where: str = "cpu") -> list[Size]:
