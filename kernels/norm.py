@@ -380,7 +380,7 @@ def _check_vec(name: str, t: torch.Tensor | None, n: int, x: torch.Tensor) -> to
 
 
 def _norm_keys(kind, x, residual, weight, bias, eps, return_sum, arch):
-    """(n, dtype name, weight dtype name, flags): what a norm call on `arch` compiles its kernel for, the inputs
+    """(n, the weight dtype, flags): what a norm call on `arch` compiles its kernel for with x's dtype, the inputs
     validated. Reads shapes and dtypes only, so meta tensors give the keys real ones will."""
     allowed = CPU_DTYPES if arch == "cpu" else GPU_DTYPES
     if x.dtype not in allowed:
@@ -409,7 +409,7 @@ def _norm_keys(kind, x, residual, weight, bias, eps, return_sum, arch):
         raise UnsupportedError(f"{kind} norm on {arch}: weight dtype {w_dtype} not supported")
     flags = dict(has_residual=residual is not None, has_weight=weight is not None,
                  has_bias=bias is not None and kind == "layer", write_sum=bool(return_sum), eps=float(eps))
-    return n, tl_dtype(x.dtype), tl_dtype(w_dtype), flags
+    return n, w_dtype, flags
 
 
 def planned_kernels(kind: str, x, residual, weight, bias, eps: float, return_sum: bool, build: Build) -> list[Compile]:
@@ -417,9 +417,10 @@ def planned_kernels(kind: str, x, residual, weight, bias, eps: float, return_sum
     the cached winner, else the default config and, where it would tune, every candidate."""
     from .tuning import planned_configs
 
-    n, dt, wdt, flags = _norm_keys(kind, x, residual, weight, bias, eps, return_sum, build.arch)
+    n, w_dtype, flags = _norm_keys(kind, x, residual, weight, bias, eps, return_sum, build.arch)
     if x.numel() == 0:
         return []
+    dt, wdt = tl_dtype(x.dtype), tl_dtype(w_dtype)
     fkey = tuple(sorted(flags.items()))
     if build.arch == "cpu":
         return [Compile.of(compile_norm, kind, n, dt, wdt, "cpu", fkey, None)]
@@ -434,8 +435,7 @@ def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, ar
     if x.dim() < 1:
         raise ValueError("x must have at least one dim (normalization is over the last dim)")
     arch = arch_of(x, arch)
-    n, dt, wdt, flags = _norm_keys(kind, x, residual, weight, bias, eps, return_sum, arch)
-    w_dtype = next((t.dtype for t in (weight, bias) if t is not None), x.dtype)
+    n, w_dtype, flags = _norm_keys(kind, x, residual, weight, bias, eps, return_sum, arch)
     shape = x.shape
     m = x.numel() // n
     x2 = x.reshape(m, n)
@@ -465,7 +465,7 @@ def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, ar
             dummy_w = x2[0] if w_dtype == x.dtype else torch.empty(n, dtype=w_dtype, device=x.device)
         args = (x2, r2 if r2 is not None else x2, w if w is not None else dummy_w,
                 b if b is not None else dummy_w, y2, s2)
-        kern = get_norm_kernel(kind, n, dt, wdt, arch, flags, args)
+        kern = get_norm_kernel(kind, n, tl_dtype(x.dtype), tl_dtype(w_dtype), arch, flags, args)
         kern(*args)
     if write_sum:
         return y, s
