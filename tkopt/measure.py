@@ -134,7 +134,7 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
             samples[name].append(_turn(fns[name], device, lead, burst) if cuda else _cpu_sample(fns[name]))
         if r >= 4 and time.perf_counter() - t0 > max_seconds:
             break
-    return {name: Timing.of(samples[name], warmup, _method(cuda)) for name in names}
+    return {name: Timing.of(samples[name], done, _method(cuda)) for name in names}  # `done` warm-up rounds
 
 
 def _turn(fn: Callable[[], Any], device: Any, lead: int, burst: int) -> float:

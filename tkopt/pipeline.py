@@ -142,11 +142,11 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
         if decisions[n.name].decision != "kept":
             unfuse(graph, n)
     kept = [n for n in candidates if decisions[n.name].decision == "kept"]
-    if unfused is not None and not kept:  # the program is the unfused one, already emitted (and readied)
-        # its nodes, not `graph` unfused now: sealing dropped what only the fallbacks read
+    as_unfused = unfused is not None and not kept  # the program is the unfused one, already emitted (and readied)
+    if as_unfused:  # its nodes, not `graph` unfused now: sealing dropped what only the fallbacks read
         graph.nodes = unfused.nodes
     seal(graph)
-    artifact = emitted = unfused_program if unfused is not None and not kept else target.emit(graph)
+    artifact = emitted = unfused_program if as_unfused else target.emit(graph)
     lap("emit")
     whole, winner = None, "tkopt"
     if racing:
@@ -272,7 +272,7 @@ def _whole(graph: Graph, target: Target, programs: dict[str, Any], cache: Decisi
     if entry is not None:
         return WholeGraph(entry["winner"], entry["times_ms"], cached=True)
     try:
-        # Medians: the whole graph is timed as the user runs it, variants alternating (measure.race), and
+        # Medians: the whole graph is timed as the user runs it, variants in rotating turns (measure.race), and
         # the median is what their loop gets; a node's decision compares fastest calls instead (`_wins`).
         times = {k: t.median_ms for k, t in target.compare_whole(graph, programs).items()}
     except Exception as e:  # noqa: BLE001 - an alternative that fails is no alternative: keep tkopt's

@@ -52,7 +52,7 @@ class WholeGraph:
     """The final graph against the plain alternatives the user already has, at the example inputs."""
 
     winner: str  # "tkopt", "tkopt unfused" (its program with every fusion put back) or the alternative that was faster
-    times_ms: dict[str, float]  # variant -> its median call, variants alternating (tkopt.measure.race)
+    times_ms: dict[str, float]  # variant -> its median call, variants in rotating turns (tkopt.measure.race)
     cached: bool = False
     note: str = ""
 
