@@ -66,8 +66,8 @@ def main() -> None:
     for name in args.models:
         m = wm.MODELS[name]
         torch.manual_seed(0)
-        model = m.build().to(wm.DEVICE, wm.DTYPE).eval()
-        inputs = tuple(x.to(wm.DTYPE) if x.is_floating_point() else x for x in m.inputs())
+        model = m.module()
+        inputs = m.cast_inputs()
         with torch.no_grad():
             for variant in args.variants:
                 fn = wm.make_variant(variant, model, inputs)

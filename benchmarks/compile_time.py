@@ -52,8 +52,8 @@ def child(model_name: str, variant: str, calls: int, profile: bool = False) -> d
     With `profile`, cProfile's top functions (cumulative) of the build and first call go in "profile"."""
     m = MODELS[model_name]
     torch.manual_seed(0)
-    model = m.build().to(wm.DEVICE, wm.DTYPE).eval()
-    inputs = tuple(x.to(wm.DTYPE) if x.is_floating_point() else x for x in m.inputs())
+    model = m.module()
+    inputs = m.cast_inputs()
     out: dict[str, Any] = {}
     if variant == "tkopt":
         import tkopt  # noqa: F401 - imported up front, as a user's script does (torch already is)

@@ -60,6 +60,14 @@ class Model:
     build: Callable[[], nn.Module]
     inputs: Callable[[], tuple[torch.Tensor, ...]]  # a fresh random input set per call
 
+    def module(self) -> nn.Module:
+        """The model on the benchmark's device and dtype, in eval mode."""
+        return self.build().to(DEVICE, DTYPE).eval()
+
+    def cast_inputs(self) -> tuple[torch.Tensor, ...]:
+        """A fresh random input set, floating inputs in the benchmark's dtype."""
+        return tuple(x.to(DTYPE) if x.is_floating_point() else x for x in self.inputs())
+
 
 class LastHidden(nn.Module):
     """A transformers model as forward(*inputs) -> last hidden state: cache off, tensors out."""
@@ -223,8 +231,8 @@ def profile(fn: Callable[[], Any], calls: int = 5) -> dict[str, Any]:
 
 def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = m.build().to(DEVICE, DTYPE).eval()
-    half = [tuple(x.to(DTYPE) if x.is_floating_point() else x for x in m.inputs()) for _ in range(2)]
+    model = m.module()
+    half = [m.cast_inputs() for _ in range(2)]
     inputs, alt = half
     row: dict[str, Any] = {"model": m.name, "variants": {}}
     with torch.no_grad():
