@@ -51,6 +51,28 @@ def test_compile_with_inductor_for_the_rest(monkeypatch) -> None:
         assert _rel(fast(*inputs), model(*inputs)) < 1e-5
 
 
+def test_inductor_compiles_the_first_signature_without_dynamo(monkeypatch) -> None:
+    """tkopt.compile's program is compiled by inductor directly at its first input signature: Dynamo traces
+    nothing there (it would trace again what the export traced). A new signature goes through torch.compile
+    with its guards, and both match eager."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
+    fast = tkopt.compile(model, inputs, inductor=True, select="all")
+    run = fast.specializations[-1].run
+    bigger = tuple(torch.randn(x.shape[0] + 1, *x.shape[1:]) if x.is_floating_point() else x for x in inputs)
+    with torch.no_grad():
+        traced = counters["stats"]["unique_graphs"]
+        assert _rel(fast(*inputs), model(*inputs)) < 1e-5
+        assert counters["stats"]["unique_graphs"] == traced and run.traced is None
+        assert _rel(fast(*bigger), model(*bigger)) < 1e-5
+        assert counters["stats"]["unique_graphs"] > traced and run.traced is not None
+        again = counters["stats"]["unique_graphs"]
+        assert _rel(fast(*inputs), model(*inputs)) < 1e-5  # the first signature's code, still
+        assert counters["stats"]["unique_graphs"] == again
+
+
 def test_inductor_failure_falls_back_to_the_fused_graph() -> None:
     """If inductor cannot compile the remainder, the fused graph runs as it is, after one warning."""
     from tkopt.backends.inductor import InductorOrEager
