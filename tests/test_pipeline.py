@@ -285,6 +285,45 @@ def test_a_fusion_is_kept_only_by_a_clear_margin_at_every_size() -> None:
     assert _wins(_timing(1.0), _timing(MARGIN)) and not _wins(_timing(1.0), _timing(MARGIN * 0.99))
 
 
+class _Timed:
+    """A target's whole-graph surface with given race times, for the winner's rule alone."""
+
+    def __init__(self, times: dict[str, float]) -> None:
+        self.times = times
+
+    def alternatives(self) -> list[str]:
+        return [k for k in self.times if k not in ("tkopt", UNFUSED)]
+
+    def whole_key(self, graph, programs) -> list:
+        return sorted(self.times.items())
+
+    def compare_whole(self, graph, programs) -> dict[str, Timing]:
+        return {k: _timing(ms) for k, ms in self.times.items()}
+
+
+@pytest.mark.parametrize(("fused", "times", "winner"), [
+    (True, {"tkopt": 1.0, "inductor": 1.01}, "inductor"),  # a fused program must win by the margin
+    (True, {"tkopt": 1.0, "inductor": 1.03}, "tkopt"),
+    (True, {"tkopt": 1.0, UNFUSED: 1.01, "inductor": 1.01}, UNFUSED),  # the unfused one ties both
+    (True, {"tkopt": 1.0, UNFUSED: 1.01, "inductor": 0.98}, "inductor"),
+    (False, {"tkopt": 1.01, "inductor": 1.0}, "tkopt"),  # no fusion: a tie is tkopt's
+    (False, {"tkopt": 1.03, "inductor": 1.0}, "inductor"),
+])
+def test_whole_graph_ties_go_to_the_plain_model_only_against_fusions(cache_dir, fused, times, winner) -> None:
+    """A fused program must beat the best alternative by WHOLE_MARGIN; a program with no fusion (on CUDA:
+    inductor's code under CUDA graphs, timed exactly, where a race flatters uncaptured alternatives) need only
+    come within it."""
+    from tkopt.decisions import DecisionCache
+    from tkopt.ir import FUSED_DOMAIN, Graph
+    from tkopt.pipeline import _whole
+
+    graph = Graph("g")
+    graph.nodes = [Node("FusedGemm", [], [], name="n", domain=FUSED_DOMAIN) if fused else Node("MatMul", [], [])]
+    programs = {k: object() for k in times if k in ("tkopt", UNFUSED)}
+    w = _whole(graph, _Timed(times), programs, DecisionCache("test", {}))
+    assert w.winner == winner and w.times_ms == times
+
+
 def test_select_needs_something_to_measure_on(tmp_path) -> None:
     model = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], []))
     target = OrtTarget(None, model, tmp_path)
