@@ -202,8 +202,8 @@ def test_a_cold_compile_builds_in_one_wave_and_tunes_only_at_real_shapes(caches,
     monkeypatch.setattr(attention, "_CONFIG_MEMO", {})
     waves: list[str] = []
     for module in (kernel_builds, gemm_epilogue):
-        monkeypatch.setattr(module, "map_in_workers", lambda fn, jobs, n, m=module.__name__: waves.append(m)
-                            or workers.map_in_workers(fn, jobs, n))
+        monkeypatch.setattr(module, "map_in_workers", lambda fn, jobs, n, cancel=None, m=module.__name__:
+                            waves.append(m) or workers.map_in_workers(fn, jobs, n, cancel))
     tuned: list[bool] = []  # per tuning run: whether a probe ran it
     in_probe = [False]
     progress, probe = tuning._progress, TorchTarget._probe
