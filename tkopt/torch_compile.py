@@ -32,10 +32,11 @@ shapes (static first, dynamic on a recompile), as the user's own torch.compile w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export import Dim
+from torch.fx import config as fx_config
 
 from tkopt.accuracy import Accuracy
 from tkopt.backends.inductor import InductorOrEager
@@ -180,17 +182,35 @@ def _dynamic_shapes(tree: Any) -> Any:
     return pytree.tree_map(leaf, tree, is_leaf=lambda x: isinstance(x, Boxed))
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Trace without recording each node's Python stack (torch.fx.config.do_not_emit_stack_traces, where torch
+    has it): tkopt reads none, the program's code and inductor's cache keys hold none, and collecting them
+    was ~10% of exporting BERT-base (CPU: 1.14 -> 1.03 s). Inductor's errors on the program lose the model's
+    source lines."""
+    before = getattr(fx_config, "do_not_emit_stack_traces", None)
+    if before is None:
+        yield
+        return
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
+
+
 def _export(module: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torch.export.ExportedProgram:
     """Export `Exported(module)` on boxed (args, kwargs)."""
     wrapped = Exported(module)
-    if dynamic:
-        try:
-            shapes = _dynamic_shapes((args, kwargs))
-            return torch.export.export(wrapped, (args, kwargs), dynamic_shapes=shapes)
-        except Exception as e:  # noqa: BLE001 - any export failure falls back to a static export
-            warnings.warn(f"tkopt.compile: dynamic export failed ({type(e).__name__}: {e}); exporting with static "
-                          "shapes (each new input shape will be re-exported)", stacklevel=3)
-    return torch.export.export(wrapped, (args, kwargs))
+    with _no_stack_traces():
+        if dynamic:
+            try:
+                shapes = _dynamic_shapes((args, kwargs))
+                return torch.export.export(wrapped, (args, kwargs), dynamic_shapes=shapes)
+            except Exception as e:  # noqa: BLE001 - any export failure falls back to a static export
+                warnings.warn(f"tkopt.compile: dynamic export failed ({type(e).__name__}: {e}); exporting with "
+                              "static shapes (each new input shape will be re-exported)", stacklevel=3)
+        return torch.export.export(wrapped, (args, kwargs))
 
 
 class CompiledModule(nn.Module):
