@@ -187,12 +187,11 @@ class Graph:
 
     def is_sorted(self) -> bool:
         """Whether every node comes after the producers of its inputs."""
-        produced = {id(o) for n in self.nodes for o in n.outputs}
-        done: set[int] = set()
-        for n in self.nodes:
-            if any(v is not None and id(v) in produced and id(v) not in done for v in n.inputs):
-                return False
-            done.update(id(o) for o in n.outputs)
+        position = {id(o): i for i, n in enumerate(self.nodes) for o in n.outputs}
+        for i, n in enumerate(self.nodes):
+            for v in n.inputs:
+                if position.get(id(v), -1) >= i:
+                    return False
         return True
 
     # ---- mutation -----------------------------------------------------------------------------
