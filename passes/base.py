@@ -119,7 +119,8 @@ def fuse(
         outs.pop()
     if any(v is None for v in outs):
         raise ValueError(f"{op}: only trailing outputs may be omitted")
-    ordered = [n for n in graph.nodes if n in set(nodes)]
+    members = {id(n) for n in nodes}
+    ordered = [n for n in graph.nodes if id(n) in members]
     fused = Node(
         op=op, inputs=list(inputs), outputs=outs, attrs=s.full_attrs(attrs),
         name=graph.fresh_name(op), domain=FUSED_DOMAIN, replaced=flatten_replaced(ordered),
@@ -131,11 +132,11 @@ def fuse(
     return fused
 
 
-def unfuse(graph: Graph, node: Node) -> None:
-    """Put a fused node's original subgraph back (its kernel is unavailable); readers keep working
-    because the originals produce the very Values the fused node did."""
-    index = graph.nodes.index(node)
-    graph.remove_nodes([node])
-    for offset, original in enumerate(node.replaced):
-        graph.add_node(original, index + offset)
-    graph.toposort()
+def unfuse(graph: Graph, nodes: Iterable[Node]) -> None:
+    """Put fused nodes' original subgraphs back (their kernels are unavailable or lost), each where its fused
+    node stood, in one pass and one sort (one per node was most of emitting BERT-base); readers keep working
+    because the originals produce the very Values the fused nodes did."""
+    back = {id(n) for n in nodes}
+    if back:
+        graph.nodes = [r for n in graph.nodes for r in (n.replaced if id(n) in back else [n])]
+        graph.toposort()

@@ -121,8 +121,8 @@ def test_torch_cpu_measures_against_eager_and_reuses_the_decisions(cache_dir, mo
     _refuse_to_measure(monkeypatch, TorchTarget)
     probed: list[str] = []
     probe = TorchTarget.probe
-    monkeypatch.setattr(TorchTarget, "probe", lambda self, graph, nodes: probed.extend(n.name for n in nodes)
-                        or probe(self, graph, nodes))
+    monkeypatch.setattr(TorchTarget, "probe", lambda self, graph, nodes, *rest: probed.extend(n.name for n in nodes)
+                        or probe(self, graph, nodes, *rest))
     again = tkopt.compile(model, inputs)
     assert all(d.cached for d in again.tkopt_report.nodes) and _measured_nothing(again.tkopt_report.whole_graph)
     # kernels are built again only for the nodes the cache keeps
@@ -484,7 +484,7 @@ def test_a_fallbacks_input_made_after_its_fused_node_survives_and_unfuses_in_ord
 
     g, fused, mask = build()
     assert remove_unused(g) == 0 and g.nodes == [fused, mask]
-    unfuse(g, fused)
+    unfuse(g, [fused])
     assert [n.name for n in g.nodes] == ["mask", "add"]
     g, fused, mask = build()
     assert seal(g) == 1 and g.nodes == [fused]  # kernels settled: the fallback's input goes

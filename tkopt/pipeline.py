@@ -139,10 +139,8 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     if cache is not None:
         _select(graph, target, [n for n in candidates if n.name not in failed], decisions, cache, keys)
         lap("selection")
-    for n in candidates:
-        if decisions[n.name].decision != "kept":
-            unfuse(graph, n)
     kept = [n for n in candidates if decisions[n.name].decision == "kept"]
+    unfuse(graph, [n for n in candidates if decisions[n.name].decision != "kept"])
     as_unfused = unfused is not None and not kept  # the program is the unfused one, already emitted (and readied)
     if as_unfused:  # its nodes, not `graph` unfused now: sealing dropped what only the fallbacks read
         graph.nodes = unfused.nodes
@@ -253,8 +251,8 @@ def unfused_view(graph: Graph) -> Graph:
     """`graph` with every fused node as the nodes it replaced, sealed; `graph` itself is left as it is (the copy
     shares its nodes and values, which sealing and unfusing never change, only node lists)."""
     view = copy.copy(graph)
-    view.nodes = [r for n in graph.nodes for r in (n.replaced if n.is_fused else [n])]
-    view.toposort()
+    view.nodes = list(graph.nodes)
+    unfuse(view, [n for n in graph.nodes if n.is_fused])
     seal(view)
     return view
 
