@@ -39,7 +39,7 @@ from tkopt.fused_ops import FLOAT_DTYPES
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal
+from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal, split_causal
 from .patterns import norm_axes, norm_axis
 from .pipeline import register
 from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, same
@@ -577,6 +577,13 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
         if t.mult <= 0:
             raise _Refuse(f"mask {t.value.name} is scaled by {t.mult:g} after it is applied: its fill changes sign")
         proof = prove_causal(view.masks, t.value, t.kind, shape)
+        rest = None
+        if proof is None and t.kind != "add" and t.fill * t.mult == -math.inf:
+            rest = split_causal(view.masks, t.value, t.kind, shape)
+        if rest is not None:  # a causal mask combined with another: causal=1, the other the mask input
+            causal.append((t, -math.inf))
+            explicit.append(replace(t, value=rest))
+            continue
         fill = None
         if proof is not None:
             fill = (proof.fill if t.kind == "add" else t.fill) * t.mult

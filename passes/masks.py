@@ -567,6 +567,8 @@ def _filled(ma: MaskAnalysis, p: Node, depth: int) -> Fn | None:
     return None if value is None else constant(_cast(value, p.outputs[0].dtype), rank)
 
 
+AND_OPS = ("And", "aten::bitwise_and", "aten::logical_and", "aten::__and__")
+OR_OPS = ("Or", "aten::bitwise_or", "aten::logical_or", "aten::__or__")
 RULES: dict[str, Rule] = {
     "Identity": _identity, "aten::clone": _identity, "aten::contiguous": _identity, "aten::alias": _identity,
     "aten::detach": _identity, "aten::lift_fresh_copy": _identity,
@@ -581,9 +583,8 @@ RULES: dict[str, Rule] = {
     "Neg": _unary(np.negative),
     **{op: _binary(fn) for op, fn in {
         "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Max": np.maximum,
-        "Min": np.minimum, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor,
-        "aten::bitwise_and": np.logical_and, "aten::bitwise_or": np.logical_or, "aten::logical_or": np.logical_or,
-        "aten::__and__": np.logical_and, "aten::__or__": np.logical_or,
+        "Min": np.minimum, "Xor": np.logical_xor,
+        **{op: np.logical_and for op in AND_OPS}, **{op: np.logical_or for op in OR_OPS},
     }.items()},
     **{op: _compare_rule(how) for op, how in COMPARE_OPS.items()},
 }
@@ -640,6 +641,30 @@ def prove_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None)
     if len(fills) != 1:
         return None
     return Causal(fills.pop())
+
+
+def split_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None) -> Value | None:
+    """For a bool mask no proof covers whole (kind "keep" or "drop", as in prove_causal) that combines a
+    provably causal mask with one other: the other, such that `mask` keeps exactly where both keep. A keep
+    mask must then be their And (seen through Expand, a broadcast), a drop mask their Or. Keeping is then
+    causality and the other mask, elementwise for every admitted size, so causal=1 with the other as the
+    mask input is the same attention. The decoders' masks are this: torch.export traces transformers'
+    causal-and-padding mask (the attention_mask input) where eager, seeing no padding, passes none.
+    None if `mask` is no such combination."""
+    ops = AND_OPS if kind == "keep" else OR_OPS
+    proven, rest, todo = 0, [], [mask]
+    while todo:
+        v = todo.pop()
+        p = ma.ix.producer(v)
+        while p is not None and p.op == "Expand" and len(p.outputs) == 1:
+            v, p = p.inputs[0], ma.ix.producer(p.inputs[0])
+        if v is not mask and prove_causal(ma, v, kind, scores) is not None:
+            proven += 1
+        elif p is not None and p.op in ops and len(p.inputs) == 2 and len(p.outputs) == 1:
+            todo += p.inputs
+        else:
+            rest.append(v)
+    return rest[0] if proven and len(rest) == 1 and rest[0] is not None else None
 
 
 def _additive(v: Any, dtype: str | None) -> tuple[bool | None, float | None]:

@@ -511,6 +511,64 @@ def test_hf_causal_mask_from_positions_is_proven(model_type: str) -> None:
             torch.testing.assert_close(gm(x), module(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_hf_causal_and_padding_mask_splits_into_causal_and_the_padding(model_type: str) -> None:
+    """Called with attention_mask, a transformers decoder's traced mask is causal And padding (eager, seeing
+    no padding, would pass none). Keeping is causality and the padding, elementwise, so FusedAttention gets
+    causal=1 and the (b, 1, 1, s) padding factor as its mask: fused == eager with right, left and full
+    padding of a row, at lengths 1, 7 and 37."""
+    from tkopt.models.hf import tiny_model
+
+    class Body(nn.Module):
+        def __init__(self, lm: nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=ids, attention_mask=keep, use_cache=False).logits
+
+    torch.manual_seed(0)
+    module = Body(tiny_model(model_type, "AutoModelForCausalLM", num_hidden_layers=1)).eval()
+    ids, keep = torch.randint(1, 100, (3, 9)), torch.ones(3, 9, dtype=torch.int64)
+    dims = ({0: Dim("b", max=8), 1: Dim("s", max=64)},) * 2
+    graph = import_fx(torch.export.export(module, (ids, keep), dynamic_shapes=dims))
+    run_passes(graph)
+    fused = [n for n in graph.nodes if n.op == "FusedAttention"]
+    assert fused and all(n.attrs["causal"] == 1 for n in fused), [n.attrs for n in fused]
+    assert all(n.inputs[3] is not None and n.inputs[3].shape[1:3] == (1, 1) for n in fused), [n.inputs for n in fused]
+    gm = to_torch_module(graph)
+    for s in (1, 7, 37):
+        x, keep = torch.randint(1, 100, (3, s)), torch.ones(3, s, dtype=torch.int64)
+        keep[0, s // 2 + 1:] = 0  # right padding
+        keep[1, : s // 2] = 0  # left padding: its first rows see no key
+        keep[2, :] = 0 if s == 1 else keep[2, :]
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x, keep), module(x, keep), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("combine", ["or", "anticausal"])
+def test_mask_combined_otherwise_keeps_its_full_mask(combine: str) -> None:
+    """Near misses of the split: causal Or padding keeps more than causality does, and an anti-causal
+    factor (key j >= query i) is no causal proof: causal=0, the whole mask stays the input, fused == eager."""
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+            q, k, v = _qkv(x)
+            i = torch.arange(x.shape[1])
+            tri = i[None, :] <= i[:, None] if combine == "or" else i[None, :] >= i[:, None]
+            keep = (tri | pad[:, None, None, :]) if combine == "or" else (tri & pad[:, None, None, :])
+            return _merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+    x, pad = _x(2, 6), torch.tensor([[True] * 6, [False] * 2 + [True] * 4])
+    s = Dim("s", max=32)
+    graph = import_fx(torch.export.export(M(), (x, pad), dynamic_shapes=({1: s}, {1: s})))
+    run_passes(graph)
+    [n] = [n for n in graph.nodes if n.op == "FusedAttention"]
+    assert n.attrs["causal"] == 0 and n.inputs[3].shape[2] != 1, (n.attrs, n.inputs[3])
+    with torch.no_grad():
+        torch.testing.assert_close(to_torch_module(graph)(x, pad), M()(x, pad), rtol=1e-5, atol=1e-6)
+
+
 def test_float64_default_scale_survives_onnx_attributes(tmp_path: Path) -> None:
     """The TorchScript export computes SDPA's 1/sqrt(d) in the graph; as FusedAttention's float attribute
     (32 bits in ONNX) it lost float64 precision (fuzz seed 120: 3.5e-9 relative). The default scale is
