@@ -178,7 +178,7 @@ class Graph:
     def toposort(self) -> None:
         """Reorder nodes topologically, keeping the current order where it is free (stable). An order that is
         already topological is kept as it is, without building the networkx graph: fusing sorts after every
-        node it places, which rarely moves anything (BERT-base: 110 sorts, 0.3 s with networkx)."""
+        node it places, which rarely moves anything (BERT-base: 110 sorts, ~0.2 s with networkx on CPU)."""
         if self.is_sorted():
             return
         order = {n: i for i, n in enumerate(self.nodes)}
