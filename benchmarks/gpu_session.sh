@@ -37,8 +37,9 @@ t0=$(date +%s)
 case "$phase" in
   tests)
     # Heuristic tile configs in tests: tuning is the benchmarks' business. SIGINT at the time limit makes
-    # pytest print its summary of what ran (a plain kill would lose it).
-    TKOPT_AUTOTUNE=0 TKOPT_BUILD_WORKERS=1 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
+    # pytest print its summary of what ran (a plain kill would lose it). Inductor compiles in-process: its
+    # compile-worker pool's shutdown at exit hung pytest's workers until the limit, losing the summary.
+    TORCHINDUCTOR_COMPILE_THREADS=1 TKOPT_AUTOTUNE=0 TKOPT_BUILD_WORKERS=1 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
       -rfE ${TEST_PATHS:-tests} > "$out/gpu_tests.log" 2>&1
     echo "pytest rc=$? in $(( $(date +%s) - t0 ))s"; tail -n 40 "$out/gpu_tests.log"
     ;;

@@ -578,11 +578,11 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
             raise _Refuse(f"mask {t.value.name} is scaled by {t.mult:g} after it is applied: its fill changes sign")
         proof = prove_causal(view.masks, t.value, t.kind, shape)
         rest = None
-        if proof is None and t.kind != "add" and t.fill * t.mult == -math.inf:
+        if proof is None and (t.kind == "add" or t.fill * t.mult == -math.inf):
             rest = split_causal(view.masks, t.value, t.kind, shape)
         if rest is not None:  # a causal mask combined with another: causal=1, the other the mask input
             causal.append((t, -math.inf))
-            explicit.append(replace(t, value=rest))
+            explicit.append(replace(t, value=rest[0], kind=rest[1], fill=-math.inf))
             continue
         fill = None
         if proof is not None:

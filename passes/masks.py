@@ -643,14 +643,29 @@ def prove_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None)
     return Causal(fills.pop())
 
 
-def split_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None) -> Value | None:
-    """For a bool mask no proof covers whole (kind "keep" or "drop", as in prove_causal) that combines a
-    provably causal mask with one other: the other, such that `mask` keeps exactly where both keep. A keep
-    mask must then be their And (seen through Expand, a broadcast), a drop mask their Or. Keeping is then
-    causality and the other mask, elementwise for every admitted size, so causal=1 with the other as the
-    mask input is the same attention. The decoders' masks are this: torch.export traces transformers'
-    causal-and-padding mask (the attention_mask input) where eager, seeing no padding, passes none.
-    None if `mask` is no such combination."""
+def split_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None) -> tuple[Value, str] | None:
+    """For a mask no proof covers whole (kind as in prove_causal) that combines a provably causal mask with one
+    other: (the other, as a bool mask of kind "keep" or "drop") such that `mask` keeps exactly where both keep.
+    A keep mask must then be their And (seen through Expand, a broadcast), a drop mask their Or, and an additive
+    one Where(keep, 0, -inf) or Where(drop, -inf, 0) of such a bool mask (SDPA's decomposition). Keeping is
+    then causality and the other mask, elementwise for every admitted size, so causal=1 with the other as the
+    mask input is the same attention. The decoders' masks are this: a traced transformers model builds its
+    causal mask And the attention_mask's padding, where eager, seeing no padding, passes none. None if `mask`
+    is no such combination."""
+    if kind == "add":
+        p = ma.ix.producer(mask)
+        if p is None or p.op != "Where" or len(p.inputs) != 3:
+            return None
+        fills = [ma.shapes.const(v) for v in p.inputs[1:]]
+        if any(f is None or np.asarray(f).size != 1 for f in fills):
+            return None
+        a, b = (float(np.asarray(f).reshape(())) for f in fills)
+        kind = "keep" if (a, b) == (0.0, -math.inf) else "drop" if (a, b) == (-math.inf, 0.0) else ""
+        if not kind:
+            return None
+        mask = p.inputs[0]
+        if prove_causal(ma, mask, kind, scores) is not None:
+            return None  # causal whole: no other mask to keep
     ops = AND_OPS if kind == "keep" else OR_OPS
     proven, rest, todo = 0, [], [mask]
     while todo:
@@ -664,7 +679,7 @@ def split_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None)
             todo += p.inputs
         else:
             rest.append(v)
-    return rest[0] if proven and len(rest) == 1 and rest[0] is not None else None
+    return (rest[0], kind) if proven and len(rest) == 1 and rest[0] is not None else None
 
 
 def _additive(v: Any, dtype: str | None) -> tuple[bool | None, float | None]:

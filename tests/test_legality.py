@@ -546,6 +546,27 @@ def test_hf_causal_and_padding_mask_splits_into_causal_and_the_padding(model_typ
             torch.testing.assert_close(gm(x, keep), module(x, keep), rtol=1e-4, atol=1e-5)
 
 
+def test_hf_causal_and_padding_mask_splits_in_dynamos_graph_too() -> None:
+    """The torch.compile backend traces SDPA decomposed: the same mask arrives as Where(causal And padding, 0,
+    -inf) added to the scores, and splits the same way."""
+    from tkopt.backends.dynamo import make_backend
+    from tkopt.models.hf import tiny_model
+
+    torch.manual_seed(0)
+    lm = tiny_model("gpt2", "AutoModelForCausalLM", num_hidden_layers=1).eval()
+    backend = make_backend(select="all", inductor=False)
+    fast = torch.compile(lm, backend=backend)
+    x, keep = torch.randint(1, 100, (2, 11)), torch.ones(2, 11, dtype=torch.int64)
+    keep[0, :4] = 0
+    with torch.no_grad():
+        got = fast(input_ids=x, attention_mask=keep, use_cache=False).logits
+        torch.testing.assert_close(got, lm(input_ids=x, attention_mask=keep, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-5)
+    [n] = [n for n in backend.graph_modules[-1].graph.nodes if "fused_attention" in str(n.target)]
+    causal, mask = n.args[5], n.args[3].meta["val"]
+    assert causal == 1 and tuple(mask.shape) == (2, 1, 1, 11), (n.args, mask.shape)
+
+
 @pytest.mark.parametrize("combine", ["or", "anticausal"])
 def test_mask_combined_otherwise_keeps_its_full_mask(combine: str) -> None:
     """Near misses of the split: causal Or padding keeps more than causality does, and an anti-causal

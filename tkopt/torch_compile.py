@@ -26,8 +26,9 @@ dynamic shapes).
 On CUDA inputs (and with autograd off) each exact input signature is captured once as a CUDA graph
 and replayed afterwards (tkopt.cuda_graphs): the per-op Python dispatch would otherwise cost more
 than the kernels. cuda_graphs=False runs every call through Python. On CUDA the ops tkopt left
-unfused also go through inductor by default (inductor=None), with torch.compile's automatic dynamic
-shapes (static first, dynamic on a recompile), as the user's own torch.compile would.
+unfused also go through inductor by default (inductor=None): the first input signature compiled directly
+(tkopt.backends.inductor), later ones through torch.compile's automatic dynamic shapes (static first, dynamic on
+a recompile), as the user's own torch.compile would.
 """
 
 from __future__ import annotations
