@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 GQA_DYNAMIC_EXPORTS = {  # test -> what its id holds where it exports GQA that way
     "test_torch_export_dynamic": "llama", "test_hf_torch_export": "llama",
     "test_reference_models_fuse_as_expected": "llama_block-fx", "test_hf_causal_mask_from_positions_is_proven": "llama",
+    "test_hf_causal_and_padding_mask_splits_into_causal_and_the_padding": "llama",
 }
 OLD_EXPORT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 
