@@ -694,7 +694,7 @@ def planned_kernels(q, k, v, mask, build: Build, *, causal: bool = False, scale:
                     layout: str = "bhsd", mask_scale: float = 1.0, mask_fill: float = -math.inf,
                     guard: str = "masked", mask_keeps: bool = True) -> list[Compile]:
     """The compiles `flash_attention`'s call on tensors like these (shapes, strides, dtypes: meta tensors do)
-    will use on `build`: the cached winner, else the default config and, where it would tune, every candidate."""
+    will use on `build`: the cached winner, else where it would tune every candidate, else the default config."""
     from .tuning import planned_configs
 
     b, hq, hkv, sq, skv = _check_inputs(q, k, v, mask, layout)

@@ -760,8 +760,9 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
 
 
 def planned_kernels(kind, build: Build, M, N, K, dtype, act, has_bias, has_res, b_t, gated=False) -> list[Compile]:
-    """The compiles `gemm` / `gated_mlp` calls with M rows will use on `build`: the cached winner, else the
-    default config and, where select_config would tune, every candidate (each once, as kernel_key dedupes)."""
+    """The compiles `gemm` / `gated_mlp` calls with M rows will use on `build`: the cached winner, else
+    where select_config would tune every candidate (tuning never times the default), else the default config
+    (each once, as kernel_key dedupes)."""
     from .tuning import planned_configs
 
     if M == 0 or N == 0 or K == 0:

@@ -414,7 +414,7 @@ def _norm_keys(kind, x, residual, weight, bias, eps, return_sum, arch):
 
 def planned_kernels(kind: str, x, residual, weight, bias, eps: float, return_sum: bool, build: Build) -> list[Compile]:
     """The compiles a `kind` ("layer" / "rms") norm call on tensors like these (meta tensors do) uses on `build`:
-    the cached winner, else the default config and, where it would tune, every candidate."""
+    the cached winner, else where it would tune every candidate, else the default config."""
     from .tuning import planned_configs
 
     n, w_dtype, flags = _norm_keys(kind, x, residual, weight, bias, eps, return_sum, build.arch)

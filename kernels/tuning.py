@@ -9,12 +9,15 @@ knobs) to use for one (kernel, arch, key):
 2. else, when `tuning_enabled(arch)`, it times every candidate with `bench(config) -> ms` (an exception,
    NaN or inf marks a failed candidate), shows progress, stores the fastest atomically (merge under a
    file lock, write a temp file, `os.replace`; safe across processes) and returns it;
-3. else `default` (heuristic), without touching the disk.
+3. else, inside a `suspended()` block where it would otherwise tune, the first candidate: one of the configs
+   the tuning will compile anyway, so a build ahead of the calls (`planned_configs`) need not compile the
+   default for a probe alone;
+4. else `default` (heuristic), without touching the disk.
 
 Environment: TKOPT_CACHE_DIR (default ~/.cache/tkopt); TKOPT_AUTOTUNE: "0"/"false"/"off" disables
 tuning; unset or anything else enables it for GPU archs; it is never on for "cpu". In-process,
 `suspended()` turns it off for a block (kernel builds and probes: tuning belongs at the real shapes), and
-kernels then keep the default they return out of their per-process config memos.
+kernels then keep the config they return out of their per-process config memos.
 
 Keys are JSON-encoded (tuples become lists), so use plain ints / strs / bools / floats in them;
 `shape_bucket(n)` rounds a dynamic size (e.g. M) up to a power of two to keep keys few.
@@ -63,9 +66,12 @@ def tuning_suspended() -> bool:
 def tuning_enabled(arch: str | None = None) -> bool:
     """Whether pick_config may benchmark: never for cpu nor in a `suspended()` block; off when TKOPT_AUTOTUNE
     is 0/false/off."""
-    if arch == "cpu" or _SUSPENDED.get():
-        return False
-    return os.environ.get("TKOPT_AUTOTUNE", "1").strip().lower() not in _FALSE
+    return not _SUSPENDED.get() and _tunes(arch)
+
+
+def _tunes(arch: str | None) -> bool:
+    """Whether calls on `arch` tune outside `suspended()` blocks (what a build ahead of them plans for)."""
+    return arch != "cpu" and os.environ.get("TKOPT_AUTOTUNE", "1").strip().lower() not in _FALSE
 
 
 def shape_bucket(n: int, cap: int = 1 << 16) -> int:
@@ -172,12 +178,15 @@ def pick_config(
     default: dict,
     bench: Callable[[dict], float],
 ) -> dict:
-    """The config for (kernel, arch, key): cached winner, else tuned winner (if enabled), else `default`."""
+    """The config for (kernel, arch, key): cached winner, else tuned winner (if enabled), else, suspended where it
+    would tune, the first candidate, else `default` (module docstring)."""
     cached = _cached_config(kernel, arch, key, candidates, default)
     if cached is not None:
         return cached
-    if not tuning_enabled(arch) or not candidates:
+    if not candidates or not _tunes(arch):
         return dict(default)
+    if _SUSPENDED.get():
+        return dict(candidates[0])
     kstr = _key_str(key)
     mkey = (cache_dir(), kernel, arch, kstr)
 
@@ -237,12 +246,14 @@ def _cached_config(kernel: str, arch: str, key: tuple, candidates: Sequence[dict
 
 
 def planned_configs(kernel: str, arch: str, key: tuple, candidates: Sequence[dict], default: dict) -> list[dict]:
-    """The configs a `pick_config` call with these arguments compiles, each once: the cached winner; else the
-    default and, where it would tune, every candidate. What a build ahead of the calls compiles."""
+    """The configs a `pick_config` call with these arguments compiles, each once: the cached winner; else, where
+    it would tune, every candidate (a suspended call takes the first; the default, which tuning never times, is
+    compiled where it is used: only if every candidate fails); else the default. What a build ahead of the calls
+    compiles."""
     cached = _cached_config(kernel, arch, key, candidates, default)
     if cached is not None:
         return [cached]
-    configs = [default, *(candidates if tuning_enabled(arch) else ())]
+    configs = candidates if candidates and _tunes(arch) else [default]
     return list({json.dumps(_norm(c), sort_keys=True): dict(c) for c in configs}.values())
 
 

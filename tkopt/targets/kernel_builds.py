@@ -1,11 +1,12 @@
 """Building fused nodes' kernels for the torch targets, ahead of the calls: one parallel wave of worker
 interpreters that compiles every kernel selection will run or time, then loads here.
 
-Each fused node's calls at its example shapes use known kernels: the cached tuning winner, else the default
-config and, where the kernel tunes at those shapes, each tuning candidate (`FusedOp.compiles`, from the
-kernels' own `planned_kernels`). Each is one job of the wave, deduplicated across nodes, so the wave balances
-and nothing compiles twice. Jobs only compile: no kernel runs, so they need no GPU, and workers never time.
-TileLang's lowering holds the GIL, so threads do not overlap builds; fresh interpreters do
+Each fused node's calls at its example shapes use known kernels: the cached tuning winner, else, where the
+kernel tunes at those shapes, each tuning candidate (the probe takes the first: tuning never times a default
+that is not one), else the default config (`FusedOp.compiles`, from the kernels' own `planned_kernels`). Each
+is one job of the wave, deduplicated across nodes, so the wave balances and nothing compiles twice. Jobs only
+compile: no kernel runs, so they need no GPU, and workers never time. TileLang's lowering holds the GIL, so
+threads do not overlap builds; fresh interpreters do
 (tkopt.kernels.workers), and TileLang's disk cache hands what they built to this process, which then loads
 each compiled kernel into its kernels' caches: the probes that follow (one run of each distinct kernel on
 random inputs of the example's shapes and strides, tuning off) only check, and tuning at the real shapes only
