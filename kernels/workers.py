@@ -12,6 +12,7 @@ threads lowering two sm80 GEMMs: 6.1 s of CPU in 7.9 s wall), so only nvcc would
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
 import pickle
@@ -22,18 +23,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# The worker: mirror the parent's sys.path, read (module, function, jobs) pickled on stdin, send C-level
-# and Python output of the jobs to stderr, and write the pickled results on the real stdout once.
+# The worker: mirror the parent's sys.path, read (module, function) pickled on stdin and import it, send C-level
+# and Python output of the jobs to stderr; then, until stdin ends, read one pickled job and write its pickled
+# result on the real stdout.
 _BOOTSTRAP = """\
 import importlib, os, pickle, sys
 sys.path[:] = pickle.loads(bytes.fromhex(sys.argv[1]))
-module, name, jobs = pickle.load(sys.stdin.buffer)
 out = os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
+module, name = pickle.load(sys.stdin.buffer)
 fn = getattr(importlib.import_module(module), name)
-pickle.dump([fn(job) for job in jobs], out)
-out.close()
+while True:
+    try:
+        job = pickle.load(sys.stdin.buffer)
+    except EOFError:
+        break
+    pickle.dump(fn(job), out)
+    out.flush()
 """
 
 
@@ -88,39 +95,54 @@ def default_workers(n_jobs: int) -> int:
 
 def map_in_workers(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int,
                    cancel: Cancel | None = None) -> list[Any]:
-    """[fn(job) for job in jobs], run in `workers` fresh interpreters (jobs dealt round-robin); `cancel` stops it
-    from another thread.
+    """[fn(job) for job in jobs], run in `workers` fresh interpreters; `cancel` stops it from another thread.
 
-    `fn` must be a module-level function of an importable module (not `__main__`: importing that would run
-    the user's script); jobs and results must pickle. A worker that fails raises RuntimeError naming its exit
-    status; exceptions inside `fn` are the caller's to catch and return.
+    Jobs go out in their order, each to the next worker that is free (a shared queue, not a fixed deal): with
+    the longest first, the longest runs never queue behind others. A static round-robin gave one worker two
+    long jobs while others sat idle. `fn` must be a module-level function of an importable module (not
+    `__main__`: importing that would run the user's script); jobs and results must pickle. A worker that fails
+    raises RuntimeError naming its exit status (after the other workers finish the queue); exceptions inside
+    `fn` are the caller's to catch and return.
     """
     module, name = fn.__module__, fn.__qualname__
     if module == "__main__" or "." in name:
         raise ValueError(f"map_in_workers: {module}.{name} is not importable by a worker; define it at the top "
                          "level of an importable module")
-    shares = [list(range(i, len(jobs), workers)) for i in range(min(workers, len(jobs)))]
     path = pickle.dumps(list(sys.path)).hex()
-    procs: list[subprocess.Popen] = []
+    queue = collections.deque(range(len(jobs)))
+    lock = threading.Lock()
     results: list[Any] = [None] * len(jobs)
-    failed = []
+    procs: list[subprocess.Popen] = []
+
+    def serve(p: subprocess.Popen) -> None:
+        """Hand `p` the next job until none is left or `p` dies (its exit status then says why)."""
+        try:
+            pickle.dump((module, name), p.stdin)
+            while True:
+                with lock:
+                    if not queue:
+                        break
+                    i = queue.popleft()
+                pickle.dump(jobs[i], p.stdin)
+                p.stdin.flush()
+                results[i] = pickle.load(p.stdout)
+            p.stdin.close()
+        except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: p.wait() reports it
+            p.kill()
+
     try:
-        for share in shares:
+        for _ in range(min(workers, len(jobs))):
             p = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, path], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE)
             procs.append(p)
             if cancel is not None and not cancel.started(p):
                 raise RuntimeError(f"map_in_workers: {module}.{name} was cancelled")
-            p.stdin.write(pickle.dumps((module, name, [jobs[i] for i in share])))
-            p.stdin.close()
-        for share, p in zip(shares, procs, strict=True):
-            data = p.stdout.read()
-            p.stdout.close()
-            if p.wait() != 0:
-                failed.append(p.returncode)
-                continue
-            for i, r in zip(share, pickle.loads(data), strict=True):
-                results[i] = r
+        threads = [threading.Thread(target=serve, args=(p,), daemon=True) for p in procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [p.returncode for p in procs if p.wait() != 0]
     finally:  # an interrupted parent leaves no compiling orphans
         for p in procs:
             if p.poll() is None:

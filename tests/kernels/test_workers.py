@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -14,6 +15,18 @@ from tkopt.kernels.workers import map_in_workers
 def test_map_in_workers_returns_results_in_job_order():
     jobs = [f"/d{i}/f{i}" for i in range(5)]
     assert map_in_workers(os.path.basename, jobs, 2) == [f"f{i}" for i in range(5)]
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_free_worker_takes_the_next_job():
+    """Jobs go to whichever worker is free: the worker of the long first job runs only it, the other runs the rest
+    (a fixed round-robin deal gave the long job's worker the third job too, which then waited behind it)."""
+    pids = map_in_workers(_pid_after, [2.0, 0.01, 0.01, 0.01], 2)
+    assert pids[0] not in pids[1:] and len(set(pids[1:])) == 1, pids
 
 
 def test_map_in_workers_refuses_main_and_reports_a_dead_worker():
