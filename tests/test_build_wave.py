@@ -122,6 +122,15 @@ def test_nodes_of_one_signature_plan_their_builds_once(caches) -> None:
     assert len(builds) == len(set(per_node)) == len(per_node) - 2 * len(planned_jobs(projections[0], H200))
 
 
+def test_the_wave_hands_out_the_longest_compiles_first(caches) -> None:
+    """Attention's compiles (~8 s each for sm90) go out before the GEMMs' (~3.6 s) and norms' (~3 s): planned in
+    node order, the attention of a model's first layer followed its GEMMs and could start last and run alone."""
+    nodes, _, _ = _fused(torch.float16)
+    kinds = [job.fn.split(":")[0].rsplit(".", 1)[1] for job in planned_builds(nodes, CPU, {"device": "t"},
+                                                                              build=H200).values()]
+    assert kinds == sorted(kinds, key=["attention", "gemm_epilogue"].index) and kinds[0] == "attention", kinds
+
+
 def test_a_default_picked_with_tuning_suspended_is_not_kept(caches, monkeypatch) -> None:
     """A probe's config (tuning off) must not become the config of the calls at real shapes, which tune (here: a
     cached winner stands in for the tuning, so that nothing compiles or runs)."""

@@ -181,13 +181,22 @@ def planned_jobs(node: Node, build: Build, sizes: Sequence[Mapping[Any, int]] = 
     return list(dict.fromkeys(jobs))
 
 
+# Seconds one compile of each kind takes for sm90 (benchmarks/build_wave.py --sample: BERT-base's kernels, one
+# process, 2026-12-01): TileLang's lowering and nvcc (cicc parsing TileLang's CUDA templates: ~2.2 s of each).
+# Only their order matters: the wave hands out the longest first, so that none starts last and runs alone.
+BUILD_SECONDS = {"tkopt.kernels.attention:compile_gpu": 8.0, "tkopt.kernels.gemm_epilogue:kernel_for_key": 3.6,
+                 "tkopt.kernels.norm:compile_norm": 3.0}
+
+
 def planned_builds(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
                    sizes: Sequence[Mapping[Any, int]] = (), build: Build | None = None) -> dict[str, Compile]:
     """The compiles of `nodes` (at the example and `sizes`), each once, by their key in `built-kernels.json`
     (`fingerprint`: the device and runtimes; `build`: what kernels are built for, by default what `device`
-    runs)."""
+    runs), the longest first (BUILD_SECONDS; a kind it does not name counts as a GEMM)."""
     build = build or Build.here(device)
-    return {digest(versions(), fingerprint, job): job for n in nodes for job in planned_jobs(n, build, sizes)}
+    jobs = {digest(versions(), fingerprint, job): job for n in nodes for job in planned_jobs(n, build, sizes)}
+    gemm = BUILD_SECONDS["tkopt.kernels.gemm_epilogue:kernel_for_key"]
+    return dict(sorted(jobs.items(), key=lambda item: -BUILD_SECONDS.get(item[1].fn, gemm)))
 
 
 def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
