@@ -95,7 +95,7 @@ def sample(jobs: list[Any], defaults: set[Any]) -> dict[str, float]:
     import tkopt.kernels.attention  # noqa: F401
     import tkopt.kernels.gemm_epilogue  # noqa: F401
     import tkopt.kernels.norm  # noqa: F401
-    from tkopt.targets.kernel_builds import build_job
+    from tkopt.kernels.workers import compile_job
 
     seconds = {}
     for job in jobs:
@@ -103,7 +103,7 @@ def sample(jobs: list[Any], defaults: set[Any]) -> dict[str, float]:
         if k in seconds:
             continue
         t = time.perf_counter()
-        why = build_job(job)
+        why = compile_job(job)
         seconds[k] = round(time.perf_counter() - t, 2) if why is None else why
     return seconds
 
@@ -132,8 +132,7 @@ def main() -> None:
     os.environ["TKOPT_CACHE_DIR"] = os.path.join(root, "tkopt")
     os.environ["TILELANG_CACHE_DIR"] = os.path.join(root, "tilelang")  # the workers inherit both
 
-    from tkopt.kernels.workers import map_in_workers
-    from tkopt.targets.kernel_builds import build_job
+    from tkopt.kernels.workers import compile_job, map_in_workers
 
     jobs, defaults, out = plan(args)
     if args.plan:
@@ -149,16 +148,16 @@ def main() -> None:
         print(json.dumps(out))
         return
     t = time.perf_counter()
-    out["failed"] = [why for why in map_in_workers(build_job, jobs, args.workers) if why is not None]
+    out["failed"] = [why for why in map_in_workers(compile_job, jobs, args.workers) if why is not None]
     out[f"wave s ({args.workers} workers)"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
     for job in jobs:
-        build_job(job)
+        compile_job(job)
     out["loads here s"] = round(time.perf_counter() - t, 1)
     if args.serial:
         os.environ["TILELANG_CACHE_DIR"] = os.path.join(root, "serial")
         t = time.perf_counter()
-        map_in_workers(build_job, jobs, 1)  # one fresh process: this one has them in memory now
+        map_in_workers(compile_job, jobs, 1)  # one fresh process: this one has them in memory now
         out["serial s (1 worker)"] = round(time.perf_counter() - t, 1)
     print(json.dumps(out))
 

@@ -62,6 +62,17 @@ class Compile:
         return getattr(importlib.import_module(module), name)(*self.args)
 
 
+def compile_job(job: Compile) -> str | None:
+    """One compile -> None, or why it failed: what a build wave's workers run. Here, not with the wave's planner
+    (tkopt.targets.kernel_builds), so that a worker imports only this module and the job's kernel module: the
+    planner's imports (tkopt's IR, sympy, the targets) cost each worker about a second."""
+    try:
+        job.run()
+    except Exception as e:  # noqa: BLE001 - the parent's own probe or tuning reports it
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class Cancel:
     """Stops a `map_in_workers` call from another thread: `cancel()` kills the workers it started and keeps it
     from starting more, and the call raises RuntimeError. tkopt's probe compiles the whole graph while a thread

@@ -4,6 +4,9 @@ probes check them with tuning off. Planned for an H200 (sm90) here: compile keys
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -16,10 +19,10 @@ from tkopt.kernels.attention import tune_candidates
 from tkopt.kernels.config import TileConfig
 from tkopt.kernels.gemm_epilogue import TUNE_CANDIDATES, _tuning_key
 from tkopt.kernels.norm import norm_candidates
-from tkopt.kernels.workers import map_in_workers
+from tkopt.kernels.workers import compile_job, map_in_workers
 from tkopt.passes.pipeline import run_passes
 from tkopt.targets import torch_target
-from tkopt.targets.kernel_builds import build_job, load, planned_builds, planned_jobs
+from tkopt.targets.kernel_builds import load, planned_builds, planned_jobs
 from tkopt.targets.torch_target import TorchTarget
 
 H200 = Build("sm90", "sm_90", 132)
@@ -131,6 +134,22 @@ def test_the_wave_hands_out_the_longest_compiles_first(caches) -> None:
     assert kinds == sorted(kinds, key=["attention", "gemm_epilogue"].index) and kinds[0] == "attention", kinds
 
 
+def test_the_workers_import_only_what_the_compiles_need(caches, monkeypatch) -> None:
+    """A worker imports the module of the function it runs: the planner's (tkopt's IR, the targets, sympy) cost
+    each of the wave's workers about a second of a cold compile (15 of them on the H200)."""
+    from tkopt.targets import kernel_builds
+
+    nodes, _, _ = _fused(torch.float16)
+    ran = []
+    monkeypatch.setattr(kernel_builds, "map_in_workers",
+                        lambda fn, jobs, n, cancel: ran.append(fn) or [None] * len(jobs))
+    kernel_builds.prebuild(nodes, CPU, {"device": "this test"}, workers=2)
+    (fn,) = ran
+    heavy = ("tkopt.ir", "tkopt.targets", "sympy")
+    check = f"import sys, {fn.__module__}; print([m for m in {heavy} if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", check], capture_output=True, text=True).stdout == "[]\n"
+
+
 def test_a_default_picked_with_tuning_suspended_is_not_kept(caches, monkeypatch) -> None:
     """A probe's config (tuning off) must not become the config of the calls at real shapes, which tune (here: a
     cached winner stands in for the tuning, so that nothing compiles or runs)."""
@@ -157,7 +176,7 @@ def test_the_wave_builds_what_tuning_then_only_times(caches, monkeypatch) -> Non
 
     nodes, _, _ = _fused(torch.float16)
     jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), H200)  # the default, four candidates
-    assert map_in_workers(build_job, jobs, 2) == [None] * len(jobs)
+    assert map_in_workers(compile_job, jobs, 2) == [None] * len(jobs)
 
     compiles = []
     phase = kernel_cache.jit_phase

@@ -36,7 +36,7 @@ from tkopt.fused_ops.base import InputSpec
 from tkopt.input_sizes import size_at
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
-from tkopt.kernels.workers import Cancel, Compile, default_workers, map_in_workers
+from tkopt.kernels.workers import Cancel, Compile, compile_job, default_workers, map_in_workers
 
 
 def example_specs(node: Node, at: Mapping[Any, int] | None = None) -> list[InputSpec]:
@@ -157,15 +157,6 @@ def probe_inputs(specs: Sequence[InputSpec], device: torch.device) -> list[torch
     return tensors
 
 
-def build_job(job: Compile) -> str | None:
-    """A worker's build: one compile -> None, or why it failed."""
-    try:
-        job.run()
-    except Exception as e:  # noqa: BLE001 - the parent's own probe or tuning reports it
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def planned_jobs(node: Node, build: Build, sizes: Sequence[Mapping[Any, int]] = ()) -> list[Compile]:
     """The compiles a node's calls at its example shapes use (module docstring), and at each of `sizes` (the
     input symbols' sizes selection measures it at too: a GEMM with few rows at the example tunes there); none
@@ -244,7 +235,7 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
     failed: set[str] = set()
     if workers >= 2 and len(todo) >= 2:
         try:
-            results = map_in_workers(build_job, list(todo.values()), workers, cancel)
+            results = map_in_workers(compile_job, list(todo.values()), workers, cancel)
             failed = {key for key, why in zip(todo, results, strict=True) if why is not None}
         except Exception as e:  # noqa: BLE001 - parallel builds are an optimization, never a requirement
             warnings.warn(f"tkopt: building kernels in {workers} workers failed ({type(e).__name__}: {e}); "
@@ -257,4 +248,4 @@ def load(compiles: Sequence[Compile]) -> None:
     (compiled here where it did not run), so that probes and tuning find them there. Not in prebuild's thread:
     loading a kernel is a CUDA call, which a CUDA graph captured meanwhile on another thread could refuse."""
     for job in compiles:
-        build_job(job)  # a failure is reported where the kernel is used
+        compile_job(job)  # a failure is reported where the kernel is used
