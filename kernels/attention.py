@@ -858,7 +858,7 @@ def flash_attention(
         config = _CONFIG_MEMO.get(memo_key)
         if config is None:  # first call for this key in this process: cached / tuned / default config
             config = _pick_config(a, gkey + memo_key[2], dtype, dim, run_with)
-            if not tuning_suspended():  # a default picked while tuning is off is not final
+            if not tuning_suspended():  # a config picked while tuning is suspended is not final
                 _CONFIG_MEMO[memo_key] = config
     last_config[a] = dict(config)
     kern = compile_gpu(a, gkey, tuple(sorted(config.items())), dsm)

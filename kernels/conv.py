@@ -314,7 +314,7 @@ def conv2d(x, w, bias=None, act=None, stride=1, padding=0, dilation=1, groups: i
             return median_ms(lambda: kern_(*a))
 
         cfg = _pick_config("conv2d", arch, ck, conv_candidates(c, f, k_total, dt, arch), default, bench)
-        if not tuning_suspended():  # a default picked while tuning is off is not final
+        if not tuning_suspended():  # a config picked while tuning is suspended is not final
             _cfg_cache[ck] = cfg
     kp, fp = _ceil_to(k_total, cfg["block_k"]), _ceil_to(f, cfg["block_n"])
     args = _launch_args(xh, w, bias, y, kp, fp, f)

@@ -754,7 +754,7 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
         precompile([(arch, Np, Kp, dtype, TileConfig(**c), b_t, has_bias, act, has_res, gated, None, precision)
                     for c in cands])
     chosen = TileConfig(**pick_config(kind, arch, key, cands, _candidate(default), bench))
-    if not tuning_suspended():  # a default picked while tuning is off is not final
+    if not tuning_suspended():  # a config picked while tuning is suspended is not final
         _SELECTED[mkey] = chosen
     return chosen
 

@@ -488,7 +488,7 @@ def get_norm_kernel(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flag
 
         cfg = _pick_config(f"{kind}_norm", arch, (n, dtype, w_dtype, fkey), cands, default,
                            bench) if args is not None else default
-        if not tuning_suspended():  # a default picked while tuning is off is not final
+        if not tuning_suspended():  # a config picked while tuning is suspended is not final
             _cfg_cache[cfg_key] = cfg
     return compile_norm(kind, n, dtype, w_dtype, arch, fkey, tuple(sorted(cfg.items())))
 

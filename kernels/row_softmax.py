@@ -132,7 +132,7 @@ def get_softmax_kernel(n: int, dtype: str, arch: str, args=None):
 
         cfg = default if args is None else _pick_config(
             "softmax", arch, (n, dtype), norm_candidates(n, elem, arch), default, bench)
-        if not tuning_suspended():  # a default picked while tuning is off is not final
+        if not tuning_suspended():  # a config picked while tuning is suspended is not final
             _cfg_cache[ck] = cfg
     return _kernel_for(n, dtype, arch, cfg)
 
