@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,19 @@ def ceilings() -> dict[str, float]:
     return {"tflops": 2 * 8192**3 / ms / 1e9, "copy_tb_s": 2 * x.numel() * 4 / copy_ms / 1e9}
 
 
+def _gqa_sdpa_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int], *_: Any, **__: Any) -> int:
+    """SDPA's FLOPs (B, H, S, D shapes) with K/V's fewer heads counted as Q's: each query head attends over its
+    group's K/V as over its own (torch 2.11's counter asserts that the head counts are equal)."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(q, (*k[:1], q[1], *k[2:]), (*v[:1], q[1], *v[2:]))
+
+
+GQA_SDPA_FLOPS = {op: _gqa_sdpa_flops for op in (torch.ops.aten._scaled_dot_product_efficient_attention,
+                                                 torch.ops.aten._scaled_dot_product_flash_attention,
+                                                 torch.ops.aten._scaled_dot_product_cudnn_attention)}
+
+
 def floor_ms(model: nn.Module, inputs: tuple[torch.Tensor, ...], ceil: dict[str, float]) -> dict[str, float]:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -189,10 +202,10 @@ def floor_ms(model: nn.Module, inputs: tuple[torch.Tensor, ...], ceil: dict[str,
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=GQA_SDPA_FLOPS) as counter:
             model(*inputs)
         flops = counter.get_total_flops()
-    except AssertionError:  # torch 2.11's counter rejects grouped-query SDPA (fewer K/V heads): no floor
+    except AssertionError:  # the counter rejects an op's shapes: no floor rather than a wrong one
         return {}
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
