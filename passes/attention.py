@@ -580,7 +580,9 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
         rest = None
         if proof is None and (t.kind == "add" or t.fill * t.mult == -math.inf):
             rest = split_causal(view.masks, t.value, t.kind, shape)
-        if rest is not None:  # a causal mask combined with another: causal=1, the other the mask input
+        if rest is not None and rest[0].dtype in (None, "bool") and not _broadcast_problem(view, rest[0], shape):
+            # a causal mask combined with another: causal=1, the other the mask input (where the kernels can
+            # read it; else the whole mask stays the input, as before)
             causal.append((t, -math.inf))
             explicit.append(replace(t, value=rest[0], kind=rest[1], fill=-math.inf))
             continue
