@@ -99,12 +99,7 @@ class _View(ShapedIndex):
         return self.shapes.const(v)
 
     def scalar(self, v: Value | None) -> float | None:
-        """The value of a constant whose elements are all equal (a broadcast scalar), else None."""
-        c = self.const(v)
-        if c is None or c.size == 0 or c.dtype == bool:
-            return None
-        flat = c.reshape(-1).astype(np.float64)
-        return float(flat[0]) if np.all(flat == flat[0]) else None
+        return self.shapes.scalar(v)
 
 
 def _compose(net: tuple[int, ...], perm: list[int]) -> tuple[int, ...]:

@@ -656,11 +656,8 @@ def split_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None)
         p = ma.ix.producer(mask)
         if p is None or p.op != "Where" or len(p.inputs) != 3:
             return None
-        fills = [ma.shapes.const(v) for v in p.inputs[1:]]
-        if any(f is None or np.asarray(f).size != 1 for f in fills):
-            return None
-        a, b = (float(np.asarray(f).reshape(())) for f in fills)
-        kind = "keep" if (a, b) == (0.0, -math.inf) else "drop" if (a, b) == (-math.inf, 0.0) else ""
+        fills = tuple(ma.shapes.scalar(v) for v in p.inputs[1:])
+        kind = "keep" if fills == (0.0, -math.inf) else "drop" if fills == (-math.inf, 0.0) else ""
         if not kind:
             return None
         mask = p.inputs[0]

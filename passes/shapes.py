@@ -295,6 +295,14 @@ class Shapes:
             return None
         return out
 
+    def scalar(self, v: Value | None) -> float | None:
+        """The value of a (shape-derived) constant whose elements are all equal (a broadcast scalar), else None."""
+        c = self.const(v)
+        if c is None or c.size == 0 or c.dtype == bool:
+            return None
+        flat = c.reshape(-1).astype(np.float64)
+        return float(flat[0]) if np.all(flat == flat[0]) else None
+
     def const(self, v: Value | None) -> np.ndarray | None:
         """The numeric data of `v` when it is (shape-derived) constant, else None."""
         data = self.value(v)
