@@ -168,14 +168,14 @@ def test_a_default_picked_with_tuning_suspended_is_not_kept(caches, monkeypatch)
     assert gemm_epilogue.select_config(*args, run).block_tile == cands[2]["block_tile"]
 
 
-@pytest.mark.slow  # two fresh interpreters import torch and TileLang and lower five sm90 GEMMs: 15-30 s on 2 cores
+@pytest.mark.slow  # two fresh interpreters import torch and TileLang and lower four sm90 GEMMs: 15-30 s on 2 cores
 def test_the_wave_builds_what_tuning_then_only_times(caches, monkeypatch) -> None:
     """The wave's compiles reach this process as disk-cache loads, and the GEMM's tuning at its real shapes then
     starts no worker wave and compiles nothing: it times (here a stand-in times nothing: no GPU)."""
     from tilelang.cache import kernel_cache
 
     nodes, _, _ = _fused(torch.float16)
-    jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), H200)  # the default, four candidates
+    jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), H200)  # the 4 candidates: M = 96 tunes
     assert map_in_workers(compile_job, jobs, 2) == [None] * len(jobs)
 
     compiles = []
