@@ -113,8 +113,9 @@ TUNE_CANDIDATES = {
 
 def tune_candidates(arch: str, dim: int, masked: bool = False) -> list[dict]:
     """The tuning candidates for `arch` at head dim `dim`. With a mask, tiles larger than 128x128 are left
-    out: their pipelined kernels spill hundreds of bytes (ptxas: 128x176 bool mask 972 B, 192x128 728 B;
-    128x128 spills 0-16 B with a mask, 0 without; tiles larger than 128x128 spill nothing without one)."""
+    out: their pipelined kernels spill (ptxas, fp16: a (B, 1, S, S) bool mask 1220 B at 192x128 and 1508 B at
+    128x176, a key padding mask 24 B at both; 128x128 spills nothing with a mask or without one, nor do the
+    larger tiles without one)."""
     cands = TUNE_CANDIDATES.get((arch, dim), TUNE_CANDIDATES[arch])
     if masked:
         cands = [c for c in cands if c["block_M"] * c["block_N"] <= 128 * 128]
@@ -140,19 +141,21 @@ def _visible(q_idx, k_idx, seq_kv, causal: bool):
     return (k_idx < seq_kv) & (q_idx >= k_idx) if causal else k_idx < seq_kv
 
 
-def _masked_score(s, m, visible, mask_kind: str, mask_keeps: bool, mask_scale, fill, neg_inf):
-    """One softmax input as the reference computes it, from s (the scaled q.k) and the mask value m: a bool
-    mask keeps s where m != 0 (m == 0 with mask_keeps False) and puts `fill` elsewhere; a float mask adds m,
-    then the sum is scaled by mask_scale unless it is None. A key that is not `visible` gets -inf whatever
-    m says: a finite
-    fill must never give weight to a padding key or to one causality hides (the reference applies
-    causality after the mask). The one definition of masking, for both programs."""
+def _keeps(m, mask_keeps: bool):
+    """Whether a bool mask's value m (uint8) keeps its score: m != 0, or m == 0 for masked_fill's mask."""
+    m = T.cast(m, "int32")  # a uint8 condition breaks TVM's bound solver on the C backend (-1 as uint)
+    return (m != 0) if mask_keeps else (m == 0)
+
+
+def _masked_score(s, m, mask_kind: str, mask_scale, fill):
+    """One softmax input as the reference computes it, before visibility: from s (the scaled q.k) and m, for a
+    bool mask whether it keeps s (`_keeps`): s where it does, `fill` elsewhere; a float mask's value m is
+    added, then the sum is scaled by mask_scale unless it is None. The one definition of masking, for both
+    programs; each applies visibility after it (a finite fill must never give weight to a padding key or to
+    one causality hides: the reference applies causality after the mask)."""
     if mask_kind == "bool":
-        m = T.cast(m, "int32")  # a uint8 condition breaks TVM's bound solver on the C backend (-1 as uint)
-        s = T.if_then_else((m != 0) if mask_keeps else (m == 0), s, fill)
-    else:
-        s = s + m if mask_scale is None else (s + m) * mask_scale
-    return T.if_then_else(visible, s, neg_inf)
+        return T.if_then_else(m, s, fill)
+    return s + m if mask_scale is None else (s + m) * mask_scale
 
 
 def _normalized(acc, total, guard: str, dtype: str):
@@ -199,6 +202,8 @@ def gpu_program(
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    if scale <= 0:  # the softmax's running max is taken over unscaled q.k where the scale is in the exponent
+        raise UnsupportedError(f"flash_attention: the GPU programs take a positive scale, not {scale}")
     group = heads_q // heads_kv
     accum = "float32"
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
@@ -211,14 +216,18 @@ def gpu_program(
     m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
     bb, bh, bq, bk = mask_bcast
+    key_only = has_mask and bh and bq  # a key padding mask: one value per (batch, key)
     # Without a mask the scale is folded into exp2: exp2(s * scale*log2e - max * scale*log2e), with the row
-    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). With a mask, scores are masked before the
-    # exponent: in the log2 domain (s * scale*log2e, the fill times log2e; exp2(s - max)) where nothing can
-    # overflow there, that is a bool mask whose fill times log2e stays finite (-inf, -1e4). Otherwise in the
-    # natural domain, exponentiated as exp2((s - max) * log2e), one FMUL more per score: an additive mask's
-    # values are only known at run time, and a fill such as finfo.min times log2e would be -inf, where a row
-    # of equal fills must stay equal finite values that weigh their keys equally.
-    log2_scores = mask_kind == "bool" and (mask_fill == -math.inf or abs(mask_fill) * LOG2E < FLOAT32_MAX)
+    # term hoisted, is one FFMA + one EX2 per score (FA3's trick). So with a bool mask whose fill is -inf
+    # (`raw_scores`): masking only selects q.k or -inf, one FSEL per score. With another mask, scores are
+    # scaled and masked before the exponent: in the log2 domain (s * scale*log2e, the fill times log2e;
+    # exp2(s - max)) where nothing can overflow there, that is a bool mask whose finite fill times log2e stays
+    # finite (-1e4). Otherwise in the natural domain, exponentiated as exp2((s - max) * log2e), one FMUL more
+    # per score: an additive mask's values are only known at run time, and a fill such as finfo.min times
+    # log2e would be -inf, where a row of equal fills must stay equal finite values that weigh their keys
+    # equally.
+    raw_scores = mask_kind == "bool" and mask_fill == -math.inf
+    log2_scores = mask_kind == "bool" and not raw_scores and abs(mask_fill) * LOG2E < FLOAT32_MAX
     to_scores = LOG2E if log2_scores else 1.0  # what masked scores are in: log2 or natural units
     s_log2, log2e, scores_scale_c = (const(x, accum) for x in (scale * LOG2E, LOG2E, scale * to_scores))
     mask_scale_c = None if mask_scale == 1.0 else const(mask_scale, accum)
@@ -249,8 +258,11 @@ def gpu_program(
 
     @T.macro
     def mask_scores(acc_s, k, bx):
-        """Pipelined schedule without a mask (the GEMM cleared acc_s): the same -inf, applied after the
-        GEMM and only on the blocks that need it (the last one, past seq_kv; those crossing the diagonal)."""
+        """-inf for invisible keys after the GEMM (which cleared acc_s) and the mask, only on the blocks that
+        have any (the last one, past seq_kv; those crossing the diagonal): the pipelined schedule. The plain
+        schedule hides them per score on every block: TileLang 0.1.15 cannot lower its warp-specialized loop
+        with a masked causal kernel's second pass over the scores ("[ThreadSync] Cannot lower a required
+        shared-memory sync inside a divergent region")."""
         if causal:
             if ((k + 1) * block_N > seq_kv) | ((k + 1) * block_N > bx * block_M + 1):
                 for i, j in T.Parallel(block_M, block_N):
@@ -263,20 +275,49 @@ def gpu_program(
                     acc_s[i, j] = T.if_then_else(k * block_N + j >= seq_kv, neg_inf, acc_s[i, j])
 
     @T.macro
-    def apply_mask(Mask, acc_s, k, bx, by, bz):
-        """acc_s (the raw q.k of block k, the GEMM cleared it) scaled (into `to_scores` units) and masked,
-        -inf for invisible keys: after the mask, never under it, or a finite fill would overwrite the -inf
-        of padding and causality."""
+    def read_keys(Mask, kmask, k, bz, clamp: bool):
+        for j in T.Parallel(block_N):
+            kj = k * block_N + j
+            m = Mask[0 if bb else bz, 0, 0, 0 if bk else (T.min(kj, seq_kv - 1) if clamp else kj)]
+            if mask_kind == "bool":
+                kmask[j] = T.if_then_else(_keeps(m, mask_keeps), T.float32(1), T.float32(0))
+            else:
+                kmask[j] = m
+
+    @T.macro
+    def load_key_mask(Mask, kmask, k, bz):
+        """A key-only mask's values for key block k, read once per block into `kmask` (a bool mask as its keep
+        flag), not once per score, issued before the wait for QK^T so that the loads overlap the GEMM. Only
+        the last block clamps its keys to seq_kv: unclamped, a thread's 32 loads share one address register
+        (with the clamp, each computed its own 64-bit address: more instructions than the softmax at D=64).
+        The pipelined schedule only: TileLang 0.1.15 cannot lower this fragment in the plain schedule's loop
+        (the error mask_scores names), which reads the mask per score."""
+        if (k + 1) * block_N <= seq_kv:
+            read_keys(Mask, kmask, k, bz, clamp=False)
+        else:
+            read_keys(Mask, kmask, k, bz, clamp=True)
+
+    @T.macro
+    def apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide: bool, clamp: bool = True):
+        """acc_s (the raw q.k of block k, the GEMM cleared it) masked (a key-only mask from `kmask`, which
+        load_key_mask filled, else read per score, with the indices clamped into the mask unless `clamp` is
+        False, for a block inside both lengths), scaled into `to_scores` units first unless `raw_scores`;
+        then, with `hide`, -inf for invisible keys, else the caller hides them (mask_scores): after the mask,
+        never under it, or a finite fill would overwrite the -inf of padding and causality."""
         for i, j in T.Parallel(block_M, block_N):
-            q_idx = bx * block_M + i
-            k_idx = k * block_N + j
-            mb = 0 if bb else bz
-            mh = 0 if bh else by
-            mq = 0 if bq else T.min(q_idx, seq_q - 1)
-            mk = 0 if bk else T.min(k_idx, seq_kv - 1)
-            acc_s[i, j] = _masked_score(acc_s[i, j] * scores_scale_c, Mask[mb, mh, mq, mk],
-                                        _visible(q_idx, k_idx, seq_kv, causal), mask_kind, mask_keeps,
-                                        mask_scale_c, fill, neg_inf)  # fmt: skip
+            if kmask is not None:
+                m = kmask[j] != 0 if mask_kind == "bool" else kmask[j]
+            else:
+                qi, kj = bx * block_M + i, k * block_N + j
+                mq = 0 if bq else (T.min(qi, seq_q - 1) if clamp else qi)
+                mk = 0 if bk else (T.min(kj, seq_kv - 1) if clamp else kj)
+                m = Mask[0 if bb else bz, 0 if bh else by, mq, mk]
+                m = _keeps(m, mask_keeps) if mask_kind == "bool" else m
+            s = acc_s[i, j] if raw_scores else acc_s[i, j] * scores_scale_c
+            s = _masked_score(s, m, mask_kind, mask_scale_c, fill)
+            if hide:
+                s = T.if_then_else(_visible(bx * block_M + i, k * block_N + j, seq_kv, causal), s, neg_inf)
+            acc_s[i, j] = s
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
@@ -293,7 +334,12 @@ def gpu_program(
             shift = scores_sum
             for i in T.Parallel(block_M):
                 shift[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i])
-            if log2_scores:
+            if raw_scores:
+                for i in T.Parallel(block_M):
+                    scores_scale[i] = T.exp2(scores_max_prev[i] * s_log2 - shift[i] * s_log2)
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * s_log2 - shift[i] * s_log2)
+            elif log2_scores:
                 for i in T.Parallel(block_M):
                     scores_scale[i] = T.exp2(scores_max_prev[i] - shift[i])
                 for i, j in T.Parallel(block_M, block_N):
@@ -328,7 +374,7 @@ def gpu_program(
             T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
             if has_mask:
                 T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                apply_mask(Mask, acc_s, k, bx, by, bz)
+                apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True)
             else:
                 init_scores(acc_s, k, bx)
                 T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -339,14 +385,18 @@ def gpu_program(
             T.gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
     @T.macro
-    def scores_of(acc_s, Mask, k, bx, by, bz):
+    def scores_of(acc_s, Mask, kmask, k, bx, by, bz):
+        """The pipelined schedule's masked scores. A mask read per score skips the index clamps on the blocks
+        inside both lengths (as load_key_mask does)."""
         if has_mask:
-            apply_mask(Mask, acc_s, k, bx, by, bz)
-        else:
-            mask_scores(acc_s, k, bx)
+            if kmask is None and ((bx + 1) * block_M <= seq_q) & ((k + 1) * block_N <= seq_kv):
+                apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False, clamp=False)
+            else:
+                apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False)
+        mask_scores(acc_s, k, bx)
 
     @T.macro
-    def pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, n, bx, by, bz):
+    def pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, kmask, n, bx, by, bz):
         """FlashAttention-3's intra-warpgroup overlap: step t issues QK^T of block t, then PV of block t-1,
         both as async wgmma (T.wgmma_gemm), waits for QK^T only (wgmma groups retire in issue order:
         wait_wgmma(1) leaves the PV in flight), and runs the softmax of block t while the tensor cores do
@@ -376,8 +426,10 @@ def gpu_program(
             if t == 0:
                 T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True,
                              policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
+                if kmask is not None:
+                    load_key_mask(Mask, kmask, t, bz)
                 T.wait_wgmma(0)
-                scores_of(acc_s, Mask, t, bx, by, bz)
+                scores_of(acc_s, Mask, kmask, t, bx, by, bz)
                 softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 T.copy(acc_s, P_buf)
             elif t < n:
@@ -385,8 +437,10 @@ def gpu_program(
                              policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
                 rescale(acc_o, scores_scale)
                 T.wgmma_gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                if kmask is not None:
+                    load_key_mask(Mask, kmask, t, bz)
                 T.wait_wgmma(1)
-                scores_of(acc_s, Mask, t, bx, by, bz)
+                scores_of(acc_s, Mask, kmask, t, bx, by, bz)
                 softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 # Always true: a branch ptxas cannot see through (a warp vote), so that the PV wait starts a
                 # basic block after the softmax. Without it ptxas hoists the wait above the softmax (in the
@@ -421,6 +475,7 @@ def gpu_program(
             scores_sum = T.alloc_fragment([block_M], accum)
             logsum = T.alloc_fragment([block_M], accum)
             stats = (scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+            kmask = T.alloc_fragment([block_N], accum) if key_only and pipelined else None
 
             T.copy(tile(Q, lq, bz, by, bx * block_M, block_M), Q_shared)
             T.fill(acc_o, 0)
@@ -433,8 +488,8 @@ def gpu_program(
                 loop_range = T.ceildiv(seq_kv, block_N)
 
             if pipelined:
-                pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask,
-                                loop_range, bx, by, bz)  # fmt: skip
+                pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, kmask,
+                               loop_range, bx, by, bz)  # fmt: skip
             else:
                 plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask,
                            loop_range, bx, by, bz)  # fmt: skip
@@ -549,11 +604,10 @@ def cpu_program(
                         mh = 0 if bh else hq
                         mq = 0 if bq else qi
                         mk = 0 if bk else T.min(kj, seq_kv - 1)
-                        m = Mask[mb, mh, mq, mk] if mask_kind == "bool" else T.cast(Mask[mb, mh, mq, mk], accum)
-                        s[j] = _masked_score(s[j], m, _visible(qi, kj, seq_kv, causal), mask_kind, mask_keeps,
-                                             mask_scale_c, fill, neg_inf)  # fmt: skip
-                    else:
-                        s[j] = T.if_then_else(_visible(qi, kj, seq_kv, causal), s[j], neg_inf)
+                        m = Mask[mb, mh, mq, mk]
+                        m = _keeps(m, mask_keeps) if mask_kind == "bool" else T.cast(m, accum)
+                        s[j] = _masked_score(s[j], m, mask_kind, mask_scale_c, fill)
+                    s[j] = T.if_then_else(_visible(qi, kj, seq_kv, causal), s[j], neg_inf)
                 stat[2] = stat[0]
                 for j in T.serial(block_N):
                     stat[2] = T.if_then_else(s[j] > stat[2], s[j], stat[2])

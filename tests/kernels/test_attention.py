@@ -276,6 +276,8 @@ LOWER_CASES = {
     "sm90-f16-d64-finitefill-nanguard": ("sm90", "float16", 64, 4, 4, False, ("bhsd",) * 4, "bool",
                                          (False, True, False, False), {},
                                          {"mask_fill": -1e4, "guard": "nan", "mask_keeps": False}),
+    "sm90-plain-f16-d128-keymask-causal-gqa": ("sm90", "float16", 128, 8, 2, True, ("bshd",) * 4, "bool",
+                                               (False, True, True, False), {"pipelined": False}),
     "sm80-bf16-d64-scaledmask-noneguard": ("sm80", "bfloat16", 64, 4, 2, True, ("bhsd",) * 4, "add",
                                            (False, True, False, False), {}, {"mask_scale": 0.125, "guard": "none"}),
 }  # fmt: skip
@@ -376,6 +378,13 @@ def test_schedule_configs():
     key = ("float16", 64, 4, 4, False, ("bhsd",) * 4, None, (False,) * 4, None)
     with pytest.raises(UnsupportedError, match="pipelined schedule needs wgmma"):
         A.compile_gpu("sm80", key, tuple(sorted({**A.DEFAULT_CONFIGS[("sm80", 64)], "pipelined": True}.items())))
+
+
+def test_gpu_programs_refuse_a_scale_that_is_not_positive():
+    """The GPU programs take the softmax's running max over unscaled q.k (the scale is in the exponent), which
+    a negative scale would turn into the running min."""
+    with pytest.raises(UnsupportedError, match="positive scale"):
+        A.gpu_program("float16", 64, 4, 4, False, scale=-0.125)
 
 
 def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
@@ -506,6 +515,10 @@ GPU_SEMANTICS = {
     "nan-rows": ("bool", 1.0, float("-inf"), "none", False, True),
     "nan-guard-masked-fill": ("bool", 1.0, float("-inf"), "nan", True, False),
     "late-keys": ("add-late", 1.0, float("-inf"), "masked", False, True),
+    # key-only masks (B, 1, 1, Skv), read once per key block: key padding as the decoders' causal split leaves it
+    "keys-finite-fill-causal": ("bool-keys", 1.0, -1e4, "masked", True, True),
+    "keys-masked-fill-nan-guard": ("bool-keys", 1.0, float("-inf"), "nan", False, False),
+    "keys-scaled-add-causal": ("add-keys", 0.125, float("-inf"), "masked", True, True),
 }
 
 
@@ -516,22 +529,29 @@ def test_gpu_semantics_match_reference(variant, case):
     """Finite fills (a fully masked row weighs its own keys equally: not the padding of the partial last key
     block, not keys after the query), a scaled additive mask, NaN rows under plain softmax and the NaN guard,
     masked_fill's mask (True masks), finite keys after all -inf blocks (shifted by their own max), on both
-    archs (fp16, D=64, lengths not multiples of a tile)."""
+    archs (fp16, D=64, lengths not multiples of a tile); and those of key-only masks, which the kernels read per
+    key block, not per score."""
     major, _ = torch.cuda.get_device_capability()
     if variant == "sm90" and major != 9:
         pytest.skip("sm90 variant needs a Hopper GPU")
     kind, mask_scale, fill, guard, causal, keeps = GPU_SEMANTICS[case]
     torch.manual_seed(11)
     q, k, v = _qkv(2, 4, 2, 150, 211, 64, dtype=torch.float16, device="cuda")
+    rows = 1 if kind.endswith("-keys") else 150
     if kind.startswith("add"):
-        mask = torch.randn(2, 1, 150, 211, device="cuda") * 4
+        mask = torch.randn(2, 1, rows, 211, device="cuda") * 4
         if kind == "add-late":  # the first key blocks all -inf, later keys finite but far below 0
             mask[..., :160] = float("-inf")
             mask[..., 160:] -= 1e4
+        if kind == "add-keys":
+            mask[1, ..., 100:180] = float("-inf")
     else:
-        mask = torch.rand(2, 1, 150, 211, device="cuda") > 0.4
-        mask[0, 0, 7] = False  # every key of row 7 masked
-        mask[1, 0, 140:] = False  # rows in the last query block
+        mask = torch.rand(2, 1, rows, 211, device="cuda") > 0.4
+        if rows == 1:
+            mask[0] = not keeps  # batch 0: every key masked
+        else:
+            mask[0, 0, 7] = False  # every key of row 7 masked
+            mask[1, 0, 140:] = False  # rows in the last query block
     if guard == "nan":
         q[1, 2, 33, 5] = float("nan")
     kw = dict(causal=causal, mask=mask, mask_scale=mask_scale, mask_fill=fill, guard=guard, mask_keeps=keeps)
