@@ -1,7 +1,7 @@
 """Benchmark flash_attention (sm90 and forced sm80) against torch SDPA, same run, same inputs.
 
 Usage (on the GPU): python benchmarks/bench_attention.py [--prewarm N [--prewarm-only]] [--out DIR] [--quick]
-[--short]
+[--short [--only NAME ...]]
 (device run: see benchmarks/results/attention.md for the exact command; `--prewarm N` compiles this
 benchmark's kernels with N processes first, `--prewarm N --prewarm-only` also the GPU tests' kernels; run
 the GPU tests with
@@ -14,9 +14,10 @@ Tuning: TKOPT_AUTOTUNE=1 makes pick_config time the candidates in kernels/attent
 (for the headline and d64 shapes only, to stay inside the device budget); every candidate's timing goes to
 the log and to bench_attention.json ("tuning"). The rows "sm90 pipelined" / "sm90 plain" run the headline
 shapes with the sm90 default config forced to each loop schedule (`pipelined` True / False).
-`--short` instead times the whole-model attention nodes at sequence 512, head dim 64 (`SHORT_CASES`) as
-CUDA-graph replays (GPU time, as tkopt's node selection times them) for every sm90 tuning candidate, against
-SDPA, plus ours launched eagerly (host cost included); writes bench_attention_short.json.
+`--short` instead times the whole-model attention nodes (`SHORT_CASES`: the encoders' at sequence 512, head
+dim 64; GPT-2's and the Llama-style model's, causal with a key padding mask and without) as CUDA-graph
+replays (GPU time, as tkopt's node selection times them) for every sm90 tuning candidate, against SDPA, plus
+ours launched eagerly (host cost included); writes bench_attention_short.json.
 """
 
 from __future__ import annotations
@@ -124,56 +125,86 @@ def qkv(b, hq, hkv, sq, skv, d, layout, dtype):
 
 # whole_models' attention nodes (H200, 2026-12-01 call 2, node timings: ours 0.0757 ms vs SDPA 0.0286 for
 # nn.TransformerEncoderLayer(1024, 16) at 8x512, whose q/k/v are "mha" views; BERT-base 16x512, whose
-# attention_mask becomes a (B, 1, S, S) bool mask: 0.113 vs 0.074): (name, B, H, S, D, layout, mask kind).
+# attention_mask becomes a (B, 1, S, S) bool mask: 0.113 vs 0.074), and the decoders' (call 5: GPT-2 0.174 vs
+# 0.152 ms), whose causal And padding mask tkopt splits into causal=1 and a (B, 1, 1, S) key padding mask:
+# (name, B, Hq, Hkv, S, D, causal, layout, mask kind). Masks keep everything, as the benchmarks' inputs do.
 SHORT_CASES = [
-    ("encoder 8x512", 8, 16, 512, 64, "mha", None),
-    ("encoder 8x512 contiguous", 8, 16, 512, 64, "bhsd", None),
-    ("bert 16x512 mask", 16, 12, 512, 64, "bshd", "bool-rows"),
-    ("bert 16x512 no mask", 16, 12, 512, 64, "bshd", None),
+    ("encoder 8x512", 8, 16, 16, 512, 64, False, "mha", None),
+    ("encoder 8x512 contiguous", 8, 16, 16, 512, 64, False, "bhsd", None),
+    ("bert 16x512 mask", 16, 12, 12, 512, 64, False, "bshd", "bool-rows"),
+    ("bert 16x512 no mask", 16, 12, 12, 512, 64, False, "bshd", None),
+    ("gpt2 8x1024 causal+keys", 8, 12, 12, 1024, 64, True, "bhsd", "bool"),
+    ("gpt2 8x1024 causal", 8, 12, 12, 1024, 64, True, "bhsd", None),
+    ("llama 4x2048 gqa causal+keys", 4, 16, 4, 2048, 128, True, "bshd", "bool"),
+    ("llama 4x2048 gqa causal", 4, 16, 4, 2048, 128, True, "bshd", None),
 ]
 
 
-def short_specs():
+def short_cases(only: list[str] | None = None) -> list[tuple]:
+    """SHORT_CASES, or those whose name contains one of `only`."""
+    return [c for c in SHORT_CASES if not only or any(o in c[0] for o in only)]
+
+
+def short_specs(only: list[str] | None = None):
     from tkopt.kernels import attention as A
 
-    return [("sm90", "float16", 1, h, h, d, False, layout, mk, dict(cfg))
-            for _, _, h, _, d, layout, mk in SHORT_CASES
+    return [("sm90", "float16", 1, hq, hkv, d, causal, layout, mk, dict(cfg))
+            for _, _, hq, hkv, _, d, causal, layout, mk in short_cases(only)
             for cfg in A.tune_candidates("sm90", d, masked=mk is not None)]  # fmt: skip
 
 
-def short_row(name, b, h, s, d, layout, mk):
-    """One SHORT_CASES row: each tuning candidate and SDPA as CUDA-graph replays, and ours launched eagerly."""
+def short_mask(kind, b, s):
+    """A SHORT_CASES mask that keeps every key: "bool-rows" (B, 1, S, S), "bool" key padding (B, 1, 1, S)."""
+    if kind is None:
+        return None
+    shape = (b, 1, s, s) if kind == "bool-rows" else (b, 1, 1, s)
+    return torch.ones(shape, dtype=torch.bool, device="cuda")
+
+
+def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
+    """One SHORT_CASES row: each tuning candidate and SDPA as CUDA-graph replays, and ours launched eagerly.
+    SDPA gets what the unfused graph gives it: a causal key padding mask as one (B, 1, S, S) mask (SDPA takes
+    no mask with is_causal); with a mask and causal, "sdpa causal" is eager's fast path, given no mask."""
     from tkopt.cuda_graphs import capture
     from tkopt.kernels import attention as A
 
     torch.manual_seed(0)
-    q, k, v = qkv(b, h, h, s, s, d, layout, torch.float16)
+    q, k, v = qkv(b, hq, hkv, s, s, d, layout, torch.float16)
     lay = "bhsd" if layout == "mha" else layout
-    mask = None if mk is None else torch.ones(b, 1, s, s, dtype=torch.bool, device="cuda")  # all kept, as BERT's
+    mask = short_mask(mk, b, s)
     qt, kt, vt = (t if lay == "bhsd" else t.transpose(1, 2) for t in (q, k, v))
-    row = dict(name=name, B=b, H=h, S=s, D=d, layout=layout, mask=mk, layouts=A.kernel_layouts(q, k, v, lay)[0])
-    fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)}
+    row = dict(name=name, B=b, Hq=hq, Hkv=hkv, S=s, D=d, causal=causal, layout=layout, mask=mk,
+               layouts=A.kernel_layouts(q, k, v, lay)[0])  # fmt: skip
+    sdpa = dict(enable_gqa=hq != hkv)
+    if mask is None:
+        fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **sdpa)}
+    else:
+        full = mask & torch.ones(s, s, dtype=torch.bool, device="cuda").tril() if causal else mask
+        fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=full, **sdpa)}
+        if causal:
+            fns["sdpa causal"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, **sdpa)
     for cfg in A.tune_candidates("sm90", d, masked=mk is not None):
         sched = "pipelined" if cfg.get("pipelined") else "plain"
         label = f"ours {cfg['block_M']}x{cfg['block_N']} t{cfg['threads']} {sched}"
-        fns[label] = lambda cfg=cfg: A.flash_attention(q, k, v, mask=mask, layout=lay, arch="sm90", config=cfg)
+        fns[label] = lambda cfg=cfg: A.flash_attention(q, k, v, causal=causal, mask=mask, layout=lay, arch="sm90",
+                                                       config=cfg)  # fmt: skip
     ref = fns["sdpa"]()
     for label, fn in fns.items():
         try:
             graph, out = capture(fn, q.device)
             row[label + " (graph)"] = bench(graph.replay)
-            if label != "sdpa":
+            if label.startswith("ours"):
                 row[label + " rel err"] = rel_err(out if lay == "bhsd" else out.transpose(1, 2), ref)
         except Exception as e:  # noqa: BLE001 - one failure must not lose the other numbers
             row[label + " (graph)"] = f"failed: {e!r}"[:300]
-    first = next(x for x in fns if x != "sdpa")
+    first = next(x for x in fns if x.startswith("ours"))
     row[first + " (eager)"] = bench(fns[first])
     return row
 
 
-def run_short(out_dir):
+def run_short(out_dir, only: list[str] | None = None):
     rows = []
-    for case in SHORT_CASES:
+    for case in short_cases(only):
         rows.append(short_row(*case))
         print(json.dumps(rows[-1], default=str), flush=True)
     if out_dir:
@@ -257,12 +288,12 @@ def warm_specs(tests: bool = True):
     return out
 
 
-def prewarm(workers: int, tests: bool = True, short: bool = False):
+def prewarm(workers: int, tests: bool = True, short: bool = False, only: list[str] | None = None):
     import bench_attention  # this script under its module name: workers import that, never __main__
 
     from tkopt.kernels.workers import map_in_workers
 
-    specs = short_specs() if short else warm_specs(tests)
+    specs = short_specs(only) if short else warm_specs(tests)
     t = time.perf_counter()
     res = map_in_workers(bench_attention._warm_one, specs, workers)
     wall = time.perf_counter() - t
@@ -327,14 +358,15 @@ def main():
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--prewarm", type=int, default=0, help="compile every kernel first with N processes")
     ap.add_argument("--prewarm-only", action="store_true")
-    ap.add_argument("--short", action="store_true", help="only SHORT_CASES (sequence 512, head dim 64)")
+    ap.add_argument("--short", action="store_true", help="only SHORT_CASES (the whole models' nodes)")
+    ap.add_argument("--only", nargs="*", help="--short: the cases whose name contains one of these")
     args = ap.parse_args()
     if args.prewarm:
-        prewarm(args.prewarm, tests=args.prewarm_only, short=args.short)
+        prewarm(args.prewarm, tests=args.prewarm_only, short=args.short, only=args.only)
         if args.prewarm_only:
             return
     if args.short:
-        run_short(args.out)
+        run_short(args.out, args.only)
         return
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.cuda.get_device_name()

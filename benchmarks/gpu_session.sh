@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
 #                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only;
-#                                                   # attention_short: attention at sequence 512, head dim 64)
+#                                                   # attention_short: the whole models' attention nodes, SHORT_ARGS)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
 # WHOLE_TIMEOUT; compile: benchmarks/compile_time.py, cold and warm compile time against torch.compile, with
 # COMPILE_ARGS, COMPILE_TIMEOUT; overhead: benchmarks/call_overhead.py, each variant's host cost per call, with
@@ -53,7 +53,7 @@ case "$phase" in
         compile) timeout "${COMPILE_TIMEOUT:-500}" python benchmarks/compile_time.py --out "$out" ${COMPILE_ARGS:-} ;;
         overhead) timeout "${OVERHEAD_TIMEOUT:-300}" python benchmarks/call_overhead.py --out "$out" ${OVERHEAD_ARGS:-} ;;
         attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;
-        attention_short) timeout 150 python benchmarks/bench_attention.py --short --out "$out" --prewarm 11 ;;
+        attention_short) timeout 200 python benchmarks/bench_attention.py --short --out "$out" --prewarm 11 ${SHORT_ARGS:-} ;;
         norm) timeout 60 python benchmarks/bench_norm.py --phase compile --jobs 12 --out "$out" > /dev/null 2>&1
               timeout 60 python benchmarks/bench_norm.py --phase measure --out "$out" ;;
         models) timeout "${MODELS_TIMEOUT:-200}" python benchmarks/bench_models.py --out "$out" --budget-s 150 ${MODELS_ARGS:-} ;;
