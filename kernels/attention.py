@@ -23,8 +23,10 @@ every batch size and sequence length; compiled kernels are cached in memory per 
 
 Layouts: each of q, k, v is indexed in whichever of BHSD / BSHD / SBHD (MEMORY_LAYOUTS) it is contiguous
 in, so a BSHD tensor, a transposed view of a BHSD one, or nn.MultiheadAttention's heads of a (seq, batch,
-embed) projection are read in place through the kernel's indexing, never copied. Only tensors contiguous
-in none are copied (`.contiguous()` in the requested layout); the output is written in that layout.
+embed) projection are read in place through the kernel's indexing, never copied. The sm90 programs take
+q/k/v strides at run time, so they also read in place a tensor whose rows are apart in one of those orders
+(the heads of a packed QKV projection, split and viewed: GPT-2's c_attn), where TMA can (`_rows`). Other
+tensors are copied (`.contiguous()` in the requested layout); the output is written in that layout.
 
 Masks: any tensor broadcastable to (B, Hq, Sq, Skv). Leading dims are added as size 1; every size-1
 dim is a broadcast dim the kernel indexes at 0 (stride-0 semantics, nothing is expanded). A float mask
@@ -39,6 +41,7 @@ gives whose every score is -inf ("none": NaN, "masked": 0) or that holds a NaN (
 """
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -188,6 +191,7 @@ def gpu_program(
     num_stages: int = 2,
     threads: int = 256,
     pipelined: bool = False,
+    strided_qkv: bool = False,
 ):
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
@@ -197,7 +201,8 @@ def gpu_program(
     1/sqrt(dim); `mask_scale`, `mask_fill`, `guard` and `mask_keeps` as `reference.flash_attention_ref`.
     Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and `pipelined`
     (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
-    fp32, which keeps the plain schedule).
+    fp32, which keeps the plain schedule). `strided_qkv`: q, k, v strides are run-time values (compile_gpu
+    sets it for sm90).
     """
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
@@ -212,6 +217,15 @@ def gpu_program(
     k_shape = _io_shape(lk, batch, heads_kv, seq_kv, dim)
     v_shape = _io_shape(lv, batch, heads_kv, seq_kv, dim)
     o_shape = _io_shape(lo, batch, heads_q, seq_q, dim)
+    # strided_qkv (sm90): q, k, v strides are run-time values (the head dim's is 1), which TMA takes as they
+    # come, so `_rows` reads packed projections in place. sm80 keeps them contiguous: its cp.async loads,
+    # unable to prove run-time strides 16-byte aligned, would go narrow (2.7x the global loads in the SASS).
+    q_t, k_t, v_t = (
+        T.StridedTensor(shape, (*(T.dynamic(f"{t}_stride{i}") for i in range(3)), 1), dtype)
+        if strided_qkv
+        else T.Tensor(shape, dtype)
+        for t, shape in zip("qkv", (q_shape, k_shape, v_shape), strict=True)
+    )
     has_mask = mask_kind is not None
     m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
@@ -507,9 +521,9 @@ def gpu_program(
 
         @T.prim_func
         def flash_attention_fwd(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
+            Q: q_t,
+            K: k_t,
+            V: v_t,
             Mask: T.Tensor(m_shape, m_dtype),
             Output: T.Tensor(o_shape, dtype),
         ):
@@ -519,9 +533,9 @@ def gpu_program(
 
         @T.prim_func
         def flash_attention_fwd(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
+            Q: q_t,
+            K: k_t,
+            V: v_t,
             Output: T.Tensor(o_shape, dtype),
         ):
             body(Q, K, V, Q, Output)
@@ -670,7 +684,7 @@ def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None =
 
     if arch != "sm90" and dict(config_items).get("pipelined"):
         raise UnsupportedError(f"flash_attention: the pipelined schedule needs wgmma (sm90), not {arch}")
-    func = gpu_program(*key, **dict(config_items))
+    func = gpu_program(*key, **dict(config_items), strided_qkv=arch == "sm90")
     return tilelang.compile(func, target=run_target(arch, device), pass_configs=_pass_configs(arch, device))
 
 
@@ -724,11 +738,11 @@ def _size(b: int, sq: int, skv: int) -> tuple[int, int, int]:
 
 def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mask_fill, guard, mask_keeps):
     """(the compile key: the program's keys in gpu_program / cpu_program order, (q, k, v) as views in the
-    layouts the kernel indexes, the mask arguments). Reads shapes, strides and dtypes only, so meta tensors
-    give the key real ones will."""
+    layouts the kernel indexes, the mask arguments). Reads shapes, strides and dtypes, and where strided GPU
+    inputs are read in place their addresses' alignment (meta tensors count as aligned)."""
     h = 1 if layout == "bhsd" else 2
     dims = (q.shape[3], q.shape[h], k.shape[h])  # head dim, query heads, key/value heads
-    layouts, (q, k, v) = kernel_layouts(q, k, v, layout)
+    layouts, (q, k, v) = kernel_layouts(q, k, v, layout, strided=arch == "sm90")
     mask_kind, bcast, margs = None, (False,) * 4, ()
     if mask is not None:
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
@@ -770,24 +784,47 @@ def planned_kernels(q, k, v, mask, build: Build, *, causal: bool = False, scale:
 # ---------------------------------------------------------------------------------------------------
 # Public wrapper
 # ---------------------------------------------------------------------------------------------------
-def _layout_of(t: torch.Tensor, given: str) -> tuple[str, torch.Tensor]:
+def _rows(view: torch.Tensor) -> torch.Tensor | None:
+    """view (in some memory layout's dim order) as the sm90 programs read it in place, or None: its dims in
+    memory order (strides not increasing), head dim unit-strided, and every other stride and the address on
+    16 bytes, as TMA descriptors and 16-byte cp.async loads need, in int32 (the programs' stride type). Size-1
+    dims get the stride they would have contiguous (never read, but a TMA descriptor checks it). Rows may be
+    apart, as the heads of a packed QKV projection's output are (GPT-2's c_attn, split and viewed)."""
+    strides, run = [], 1
+    for n, st in zip(reversed(view.shape), reversed(view.stride()), strict=True):
+        strides.insert(0, run if n == 1 else st)
+        run = n * strides[0]
+    size = view.element_size()
+    if strides[3] != 1 or any(a < b for a, b in itertools.pairwise(strides)) or view.data_ptr() % 16:
+        return None
+    if any(st * size % 16 or st >= 2**31 for st in strides[:3]):
+        return None
+    return view.as_strided(view.shape, strides)
+
+
+def _layout_of(t: torch.Tensor, given: str, strided: bool) -> tuple[str, torch.Tensor]:
     """(memory layout the kernel indexes t in, t viewed in it): t, given in layout `given`, is read in place
-    where one of MEMORY_LAYOUTS makes it contiguous (`given` first), else copied to `given`."""
+    where one of MEMORY_LAYOUTS makes it contiguous, or with `strided` (the sm90 programs) has its rows in that
+    layout's order (`_rows`), `given` first; else it is copied to `given`."""
     logical = t if given == "bhsd" else t.transpose(1, 2)  # (batch, heads, seq, dim)
     for layout in sorted(MEMORY_LAYOUTS, key=lambda m: m != given):
         view = logical.permute(MEMORY_LAYOUTS[layout])
+        rows = _rows(view) if strided else None
+        if rows is not None:
+            return layout, rows
         if view.is_contiguous():
             return layout, view
     return given, logical.permute(MEMORY_LAYOUTS[given]).contiguous()
 
 
-def kernel_layouts(q, k, v, layout: str):
+def kernel_layouts(q, k, v, layout: str, strided: bool = False):
     """((layout of q, k, v, out) as the kernel indexes them, (q, k, v) as views in those layouts).
 
     Each of q/k/v (given in `layout`) is read in whichever of MEMORY_LAYOUTS it is contiguous in (a zero-copy
-    view); one contiguous in none is copied to `layout`. The output is always written in `layout`.
+    view), with `strided` (the sm90 programs, whose q/k/v strides are run-time values) also where only its rows
+    are apart; other tensors are copied to `layout`. The output is always written contiguous in `layout`.
     """
-    lays, views = zip(*(_layout_of(t, layout) for t in (q, k, v)), strict=True)
+    lays, views = zip(*(_layout_of(t, layout, strided) for t in (q, k, v)), strict=True)
     return (*lays, layout), views
 
 

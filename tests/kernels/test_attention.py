@@ -110,6 +110,32 @@ def test_cpu_mha_projection_heads_read_in_place():
     assert out.is_contiguous() and _rel(out, _ref(qs, ks, vs, layout="bshd")) < 1e-5
 
 
+def test_packed_qkv_heads_are_read_in_place_by_the_sm90_programs():
+    """GPT-2's q / k / v: heads of one packed (B, S, 3 * H * D) projection, split and viewed, rows 3 * H * D
+    apart. The sm90 programs (run-time strides, TMA) read them in place; the others, and any tensor TMA cannot
+    take (an address or a row stride off 16 bytes), get contiguous copies."""
+    b, s, h, d = 2, 37, 4, 64
+    qkv = torch.randn(b, s, 3 * h * d, dtype=torch.float16)
+    q, k, v = (t.view(b, s, h, d) for t in qkv.split(h * d, dim=2))
+    layouts, views = A.kernel_layouts(q, k, v, "bshd", strided=True)
+    assert layouts == ("bshd",) * 4
+    assert [t.data_ptr() for t in views] == [t.data_ptr() for t in (q, k, v)]
+    assert all(torch.equal(a, t) for a, t in zip(views, (q, k, v), strict=True))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # given as BHSD, as the traced graph does
+    layouts, views = A.kernel_layouts(qt, kt, vt, "bhsd", strided=True)
+    assert layouts == ("bshd", "bshd", "bshd", "bhsd") and views[1].data_ptr() == k.data_ptr()
+    _, views = A.kernel_layouts(q, k, v, "bshd")  # not strided: copies
+    assert all(t.is_contiguous() and t.data_ptr() != p.data_ptr() for t, p in zip(views, (q, k, v), strict=True))
+    odd = torch.randn(b, s, h * d + 4, dtype=torch.float16)[..., : h * d].view(b, s, h, d)  # rows 8 bytes off
+    shifted = torch.randn(b, s, h * d + 1, dtype=torch.float16)[..., 1:].view(b, s, h, d)  # address 2 bytes off
+    for t in (odd, shifted):
+        _, views = A.kernel_layouts(t, t, t, "bshd", strided=True)
+        assert views[0].is_contiguous() and views[0].data_ptr() != t.data_ptr() and torch.equal(views[0], t)
+    one = torch.randn(1, s, 1, 3 * d, dtype=torch.float16)[..., :d]  # size-1 dims: their strides never matter
+    _, views = A.kernel_layouts(one, one, one, "bshd", strided=True)
+    assert views[0].data_ptr() == one.data_ptr() and all(st * 2 % 16 == 0 for st in views[0].stride()[:3])
+
+
 def test_cpu_noncontiguous_copied():
     torch.manual_seed(4)
     big = _rand(2, 3, 19, 64)
@@ -290,6 +316,7 @@ def _config(arch, dim, overrides):
 def _lower(case):
     arch, dtype, dim, hq, hkv, causal, layouts, mk, bc, overrides, *semantics = case
     func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **(semantics[0] if semantics else {}),
+                         strided_qkv=arch == "sm90",
                          **_config(arch, dim, overrides))
     from tilelang import tvm
 
@@ -505,6 +532,26 @@ def test_gpu_mha_projection_heads_read_in_place(variant):
         out = flash_attention(q, k, v, causal=causal, arch=variant)
         torch.cuda.synchronize()
         assert _rel(out, flash_attention_ref(q.float(), k.float(), v.float(), causal=causal)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_packed_qkv_heads_read_in_place():
+    """GPT-2's q / k / v, heads of one packed projection (rows 3 * H * D apart), read in place by the sm90
+    program through run-time strides, causal with a key padding mask and without, lengths off the tile."""
+    major, _ = torch.cuda.get_device_capability()
+    if major != 9:
+        pytest.skip("sm90 variant needs a Hopper GPU")
+    torch.manual_seed(14)
+    b, s, h, d = 3, 333, 12, 64
+    qkv = torch.randn(b, s, 3 * h * d, dtype=torch.float16, device="cuda")
+    q, k, v = (t.view(b, s, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=2))
+    assert A.kernel_layouts(q, k, v, "bhsd", strided=True)[0] == ("bshd", "bshd", "bshd", "bhsd")
+    keys = torch.rand(b, 1, 1, s, device="cuda") > 0.2
+    for causal, mask in ((True, keys), (True, None), (False, keys)):
+        out = flash_attention(q, k, v, causal=causal, mask=mask, arch="sm90")
+        torch.cuda.synchronize()
+        ref = flash_attention_ref(q.float(), k.float(), v.float(), causal=causal, mask=mask)
+        assert _rel(out, ref) < 1e-2
 
 
 # (mask kind, mask_scale, mask_fill, guard, causal, mask_keeps): what FusedAttention reproduces from graphs
