@@ -15,6 +15,7 @@ import tkopt
 from tests.modules import LinearAddNorm
 from tkopt.backends.torch_ops import CUSTOM_OPS
 from tkopt.frontends.fx import import_fx
+from tkopt.input_sizes import gathers_refuse, index_out_of_range
 from tkopt.kernels.tuning import shape_bucket
 from tkopt.passes.pipeline import run_passes
 from tkopt.pipeline import MARGIN, _apply, _entry
@@ -172,7 +173,7 @@ def test_a_size_the_model_cannot_run_at_is_skipped_and_named(monkeypatch, timed_
     target = TorchTarget(inputs)
     larger = target.sizes(graph.meta["fx_module"])[1].label
     assert larger == LARGER
-    refused = r"the model does not run there \(IndexError: aten.embedding.default: indices 0..31 out of range"
+    refused = r"the model does not run there \(OutOfRange: aten.embedding.default: indices 0..31 out of range"
     with torch.no_grad(), pytest.warns(UserWarning, match=rf"not measured at {LARGER_RE}: {refused}"):
         [m] = target.measure(graph, [norm], lambda fused, unfused: True)
     assert m.error is None and m.labels == [f"{EXAMPLE}, against eager"]
@@ -246,3 +247,33 @@ def test_the_accuracy_check_skips_a_size_the_guards_refuse(monkeypatch) -> None:
     refused = "args[0] [7, 16, 32]: the program's guards refuse it (Guard failed"
     assert any(s.startswith(refused) for s in accuracy.skipped), accuracy.skipped
 
+
+
+def test_gathers_refuse_names_the_first_gather_past_its_table() -> None:
+    """The check the accuracy sweep runs on CUDA before eager: through the program's graph, every gather's indices
+    checked before it runs. Negative indices count where the op takes them (aten.index), nowhere else."""
+    gm = torch.export.export(_Positions(32).eval(), (torch.randn(2, 8, 32),), dynamic_shapes=(AUTO,)).module()
+    assert gathers_refuse(gm, [torch.randn(2, 8, 32)]) is None
+    assert gathers_refuse(gm, [torch.randn(3, 17, 32)]) == (
+        "aten.embedding.default: indices 0..16 out of range for dim 0 of size 16")
+    aten = torch.ops.aten
+    x = torch.randn(4, 3)
+    assert index_out_of_range(aten.index.Tensor, (x, [None, torch.tensor([-3, 2])])) is None
+    assert index_out_of_range(aten.index.Tensor, (x, [None, torch.tensor([0, 3])])) == (
+        "indices 0..3 out of range for dim 1 of size 3")
+    assert index_out_of_range(aten.index_select.default, (x, 0, torch.tensor([-1]))) is not None
+    assert index_out_of_range(aten.gather.default, (x, 1, torch.tensor([[0, 2]]))) is None
+    assert index_out_of_range(aten.index.Tensor, (x, [x > 0])) is None  # a bool mask indexes nothing out of range
+
+
+@pytest.mark.gpu
+def test_the_accuracy_check_on_cuda_skips_a_size_whose_gathers_run_past_their_table() -> None:
+    """check_accuracy on CUDA at a sequence past the 16 positions: the size is skipped and named. Run eagerly, its
+    embedding's device-side assert would leave this process no usable GPU."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32, device="cuda")
+    compiled = tkopt.compile(_Positions(32).cuda().eval(), x, check_accuracy=True)
+    accuracy = compiled.tkopt_accuracy
+    assert accuracy is not None and accuracy.ok and accuracy.runs
+    assert any("does not run there (aten.embedding.default: indices" in s for s in accuracy.skipped)
+    assert torch.cuda.is_available() and torch.zeros(1, device="cuda").item() == 0  # the context still works

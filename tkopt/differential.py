@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tkopt.accuracy import Accuracy, OutputError, output_error
-from tkopt.input_sizes import DimRange, guards_refuse, resize_inputs, resized, torch_dims
+from tkopt.input_sizes import DimRange, gathers_refuse, guards_refuse, resize_inputs, resized, torch_dims
 
 if TYPE_CHECKING:
     from torch import fx
@@ -121,7 +121,9 @@ def check_module(
 
     `examples` are the specialization's per-input example values (FakeTensors with symbolic dims).
     `guarded`: its fx.GraphModule, whose input guards may refuse a size the ranges admit; such a size is
-    skipped and named (the specialization never runs there: tkopt.compile re-exports for it).
+    skipped and named (the specialization never runs there: tkopt.compile re-exports for it). On CUDA a size is
+    first run through it with its gathers checked (input_sizes.gathers_refuse): eager's gather past its table
+    (GPT-2 past 1024 positions) would end in a device-side assert, not in an error the sweep can skip.
     """
     import torch
     import torch.utils._pytree as pytree
@@ -136,12 +138,14 @@ def check_module(
     refused: list[str] = []
     for sizes in trial_sizes(torch_dims(examples, flat, ranges)):
         new = resize_inputs(examples, flat, sizes, lambda x, shape: resized(x, shape, gen))
-        why = None if guarded is None else guards_refuse(guarded, new)
-        if why is None:
-            feeds.append(dict(zip(names, new, strict=True)))
+        shapes = describe({k: list(np.shape(v)) for k, v in zip(names, new, strict=True)})
+        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in new)
+        if guarded is not None and (why := guards_refuse(guarded, new)) is not None:
+            refused.append(f"{shapes}: the program's guards refuse it ({why})")
+        elif guarded is not None and cuda and (why := gathers_refuse(guarded, new)) is not None:
+            refused.append(f"{shapes}: the original model does not run there ({why})")
         else:
-            shapes = {k: list(np.shape(v)) for k, v in zip(names, new, strict=True)}
-            refused.append(f"{describe(shapes)}: the program's guards refuse it ({why})")
+            feeds.append(dict(zip(names, new, strict=True)))
     dtypes: dict[str, str] = {}
 
     def call(fn: Callable[..., Any]) -> Callable[[Feeds], dict[str, np.ndarray]]:

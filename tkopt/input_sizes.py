@@ -3,7 +3,9 @@
 One specialization of an exported graph serves every size its symbolic dims admit, so what is checked on
 it (the accuracy check, tkopt.differential) and what is measured for it (measured selection on the torch
 targets) runs at sizes other than the example's. Here: each plain symbol of the inputs' shapes with its
-example size and admitted range, and the example inputs remade at a new assignment of those symbols.
+example size and admitted range, the example inputs remade at a new assignment of those symbols, and the
+checks that keep a size the model cannot take from running (its export's guards; gathers whose indices run
+past their tables, which on CUDA end in a device-side assert no Python code survives).
 """
 
 from __future__ import annotations
@@ -135,4 +137,57 @@ def guards_refuse(gm: fx.GraphModule, flat: Sequence[Any]) -> str | None:
             gm.get_submodule(n.target)(*[env.get(a, a) for a in n.args])
         except Exception as e:  # noqa: BLE001 - a failed guard is an AssertionError; any failure refuses
             return next(iter(str(e).splitlines()), type(e).__name__)
+    return None
+
+
+def _indexed(target: Any, args: Sequence[Any]) -> list[tuple[torch.Tensor, int, Any, bool]]:
+    """What a gather op indexes: (source, dim, index, negatives allowed) per index tensor; [] for other ops."""
+    aten = torch.ops.aten
+    if target is aten.embedding.default:
+        return [(args[0], 0, args[1], False)]
+    if target in (aten.index_select.default, aten.gather.default):
+        return [(args[0], args[1], args[2], False)]
+    if target is aten.index.Tensor:
+        return [(args[0], d, i, True) for d, i in enumerate(args[1]) if isinstance(i, torch.Tensor)]
+    return []
+
+
+def index_out_of_range(target: Any, args: Sequence[Any]) -> str | None:
+    """Why gather op `target` would index out of range on `args`, or None. On CUDA that is a device-side
+    assert, which leaves the CUDA context unusable for the rest of the process: a model run at a size it was
+    never meant for (GPT-2 past its 1024 positions) must fail in Python, before its kernel launches."""
+    for src, dim, index, negative in _indexed(target, args):
+        if index.dtype == torch.bool or index.numel() == 0:
+            continue
+        size = src.shape[dim]
+        lo, hi = int(index.min()), int(index.max())
+        if hi >= size or lo < (-size if negative else 0):
+            return f"indices {lo}..{hi} out of range for dim {dim} of size {size}"
+    return None
+
+
+class OutOfRange(IndexError):
+    """A gather that would index out of range (index_out_of_range), refused before it ran."""
+
+
+class CheckedRun(fx.Interpreter):
+    """Runs a GraphModule with every gather's indices checked before it runs (OutOfRange)."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        why = index_out_of_range(target, args)
+        if why is not None:
+            raise OutOfRange(f"{target}: {why}")
+        return super().call_function(target, args, kwargs)
+
+
+def gathers_refuse(gm: fx.GraphModule, flat: Sequence[Any]) -> str | None:
+    """Why `gm` on `flat` (one input per placeholder) would index out of range, found by running it checked
+    (CheckedRun); None where no gather would. Other failures are left to the caller's own run to report."""
+    try:
+        with torch.no_grad():
+            CheckedRun(gm, garbage_collect_values=True).run(*flat)
+    except OutOfRange as e:
+        return str(e).splitlines()[0]  # without the interpreter's "While executing" lines
+    except Exception:  # noqa: BLE001 - not an index out of range: the caller's run meets and names it
+        return None
     return None

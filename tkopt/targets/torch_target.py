@@ -53,7 +53,16 @@ from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
 from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import run_kernel, schema, use_kernels
-from tkopt.input_sizes import guards_refuse, resize_inputs, resized, shape_ranges, size_at, stand_in, torch_dims
+from tkopt.input_sizes import (
+    CheckedRun,
+    guards_refuse,
+    resize_inputs,
+    resized,
+    shape_ranges,
+    size_at,
+    stand_in,
+    torch_dims,
+)
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels import tuning
 from tkopt.kernels.tuning import shape_bucket
@@ -460,35 +469,9 @@ def _probe_key(n: Node) -> tuple:
     return n.op, tuple(sorted((k, repr(v)) for k, v in n.attrs.items())), ins
 
 
-def _indexed(target: Any, args: Sequence[Any]) -> list[tuple[torch.Tensor, int, Any, bool]]:
-    """What a gather op indexes: (source, dim, index, negatives allowed) per index tensor; [] for other ops."""
-    aten = torch.ops.aten
-    if target is aten.embedding.default:
-        return [(args[0], 0, args[1], False)]
-    if target in (aten.index_select.default, aten.gather.default):
-        return [(args[0], args[1], args[2], False)]
-    if target is aten.index.Tensor:
-        return [(args[0], d, i, True) for d, i in enumerate(args[1]) if isinstance(i, torch.Tensor)]
-    return []
-
-
-def index_out_of_range(target: Any, args: Sequence[Any]) -> str | None:
-    """Why gather op `target` would index out of range on `args`, or None. On CUDA that is a device-side
-    assert, which leaves the CUDA context unusable for the rest of the process: a model run at a size it was
-    never meant for (GPT-2 past its 1024 positions) must fail here, in Python, before its kernel launches."""
-    for src, dim, index, negative in _indexed(target, args):
-        if index.dtype == torch.bool or index.numel() == 0:
-            continue
-        size = src.shape[dim]
-        lo, hi = int(index.min()), int(index.max())
-        if hi >= size or lo < (-size if negative else 0):
-            return f"indices {lo}..{hi} out of range for dim {dim} of size {size}"
-    return None
-
-
-class _Capture(fx.Interpreter):
-    """Runs a GraphModule, keeping the values of `wanted` nodes only (the rest is freed as usual), and checks
-    every gather's indices first (index_out_of_range): the graph runs at sizes the model may not take."""
+class _Capture(CheckedRun):
+    """Runs a GraphModule, keeping the values of `wanted` nodes only (the rest is freed as usual), every
+    gather's indices checked first (CheckedRun): the graph runs at sizes the model may not take."""
 
     def __init__(self, gm: fx.GraphModule, wanted: set[fx.Node]) -> None:
         super().__init__(gm, garbage_collect_values=True)
@@ -500,12 +483,6 @@ class _Capture(fx.Interpreter):
         if n in self.wanted:
             self.got[n] = out
         return out
-
-    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        why = index_out_of_range(target, args)
-        if why is not None:
-            raise IndexError(f"{target}: {why}")
-        return super().call_function(target, args, kwargs)
 
 
 def capture_values(gm: fx.GraphModule, nodes: list[Node], flat_inputs: Sequence[Any]) -> dict[fx.Node, Any]:
