@@ -39,7 +39,7 @@ from tkopt.fused_ops import FLOAT_DTYPES
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal, split_causal
+from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal, split_mask
 from .patterns import norm_axes, norm_axis
 from .pipeline import register
 from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, same
@@ -572,14 +572,16 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
         if t.mult <= 0:
             raise _Refuse(f"mask {t.value.name} is scaled by {t.mult:g} after it is applied: its fill changes sign")
         proof = prove_causal(view.masks, t.value, t.kind, shape)
-        rest = None
-        if proof is None and (t.kind == "add" or t.fill * t.mult == -math.inf):
-            rest = split_causal(view.masks, t.value, t.kind, shape)
-        if rest is not None and rest[0].dtype in (None, "bool") and not _broadcast_problem(view, rest[0], shape):
-            # a causal mask combined with another: causal=1, the other the mask input (where the kernels can
-            # read it; else the whole mask stays the input, as before)
-            causal.append((t, -math.inf))
-            explicit.append(replace(t, value=rest[0], kind=rest[1], fill=-math.inf))
+        split = None if proof is not None else split_mask(view.masks, t.value, t.kind, shape)
+        if split is not None and split.causal and t.kind != "add" and t.fill * t.mult != -math.inf:
+            split = None  # causality comes out of a mask only under a -inf fill (see below for finite ones)
+        if split is not None and split.rest.dtype in (None, "bool") and not _broadcast_problem(view, split.rest, shape):
+            # causality, factors that keep everything and Expand taken out: causal=1 where a causal factor was,
+            # the one mask left the input (where the kernels can read it; else the whole mask stays the input)
+            if split.causal:
+                causal.append((t, -math.inf))
+            fill = -math.inf if t.kind == "add" else t.fill
+            explicit.append(replace(t, value=split.rest, kind=split.kind, fill=fill))
             continue
         fill = None
         if proof is not None:

@@ -152,8 +152,8 @@ def _compare(a: Fn, b: Fn, how: str) -> Steps | None:
     """a <how> b for affine (or constant) operands; pointwise for piecewise-constant ones."""
     sa, sb = _as_steps(a), _as_steps(b)
     if isinstance(a, Affine) or isinstance(b, Affine):
-        la = a if isinstance(a, Affine) else _affine_const(sb, len(b.coef))
-        lb = b if isinstance(b, Affine) else _affine_const(sa, len(a.coef))
+        la = a if isinstance(a, Affine) else _affine_const(sa, len(a.coef))
+        lb = b if isinstance(b, Affine) else _affine_const(sb, len(b.coef))
         if la is None or lb is None:
             return None
         coef = tuple(x - y for x, y in zip(la.coef, lb.coef, strict=True))
@@ -643,15 +643,41 @@ def prove_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None)
     return Causal(fills.pop())
 
 
-def split_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None) -> tuple[Value, str] | None:
-    """For a mask no proof covers whole (kind as in prove_causal) that combines a provably causal mask with one
-    other: (the other, as a bool mask of kind "keep" or "drop") such that `mask` keeps exactly where both keep.
-    A keep mask must then be their And (seen through Expand, a broadcast), a drop mask their Or, and an additive
-    one Where(keep, 0, -inf) or Where(drop, -inf, 0) of such a bool mask (SDPA's decomposition). Keeping is
-    then causality and the other mask, elementwise for every admitted size, so causal=1 with the other as the
-    mask input is the same attention. The decoders' masks are this: a traced transformers model builds its
-    causal mask And the attention_mask's padding, where eager, seeing no padding, passes none. None if `mask`
-    is no such combination."""
+def keeps_everywhere(ma: MaskAnalysis, v: Value, kind: str) -> bool:
+    """Whether bool mask `v` (kind "keep" or "drop") keeps every score at every admitted size: a structural
+    mask whose value is the same keep at every index combination it can reach (indices are >= 0, so a form
+    with no negative coefficient reaches x >= 0 only). transformers' bidirectional masks And such a factor
+    (q_idx >= 0) with the padding."""
+    fn = ma.fn(v)
+    if not isinstance(fn, Steps) or not fn.values:
+        return False
+    reach_from = 0 if all(c >= 0 for c in fn.coef) else None
+    regions = [k for k in range(len(fn.values))
+               if reach_from is None or k == len(fn.cuts) or fn.cuts[k] >= reach_from]  # fmt: skip
+    return all(bool(fn.values[k]) == (kind == "keep") for k in regions)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A mask as causality (`causal`) and one bool mask (`rest`, of kind "keep" or "drop") that together keep
+    exactly where it keeps."""
+
+    rest: Value
+    kind: str
+    causal: bool
+
+
+def split_mask(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None) -> Split | None:
+    """For a mask no causal proof covers whole (kind as in prove_causal): the one bool mask left once its
+    provably causal factors (then `causal`) and its factors that keep everything (keeps_everywhere) are taken
+    out, and any Expand (a broadcast, which the kernels do themselves) is seen through. A keep mask's factors
+    are those of its And, a drop mask's of its Or; an additive mask must be Where(keep, 0, -inf) or
+    Where(drop, -inf, 0) of such a bool mask (SDPA's decomposition). Keeping is then causality (if any) and the
+    rest, elementwise for every admitted size, so causal=1 with the rest as the mask input is the same
+    attention. The decoders' masks are this: a traced transformers model builds its causal mask And the
+    attention_mask's padding, where eager, seeing no padding, passes none; an encoder's (BERT's) is the
+    padding, (B, 1, 1, S), And q >= 0, expanded to (B, 1, S, S). None if nothing comes out: no factor taken
+    out and no Expand seen through, or more than one factor left."""
     if kind == "add":
         p = ma.ix.producer(mask)
         if p is None or p.op != "Where" or len(p.inputs) != 3:
@@ -664,19 +690,23 @@ def split_causal(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None)
         if prove_causal(ma, mask, kind, scores) is not None:
             return None  # causal whole: no other mask to keep
     ops = AND_OPS if kind == "keep" else OR_OPS
-    proven, rest, todo = 0, [], [mask]
+    causal, peeled, rest, todo = 0, 0, [], [mask]
     while todo:
         v = todo.pop()
         p = ma.ix.producer(v)
         while p is not None and p.op == "Expand" and len(p.outputs) == 1:
-            v, p = p.inputs[0], ma.ix.producer(p.inputs[0])
+            v, p, peeled = p.inputs[0], ma.ix.producer(p.inputs[0]), peeled + 1
         if v is not mask and prove_causal(ma, v, kind, scores) is not None:
-            proven += 1
+            causal += 1
+        elif v is not mask and keeps_everywhere(ma, v, kind):
+            peeled += 1
         elif p is not None and p.op in ops and len(p.inputs) == 2 and len(p.outputs) == 1:
             todo += p.inputs
         else:
             rest.append(v)
-    return (rest[0], kind) if proven and len(rest) == 1 and rest[0] is not None else None
+    if len(rest) != 1 or rest[0] is None or not (causal or peeled):
+        return None
+    return Split(rest[0], kind, causal=bool(causal))
 
 
 def _additive(v: Any, dtype: str | None) -> tuple[bool | None, float | None]:

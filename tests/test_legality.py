@@ -546,6 +546,64 @@ def test_hf_causal_and_padding_mask_splits_into_causal_and_the_padding(model_typ
             torch.testing.assert_close(gm(x, keep), module(x, keep), rtol=1e-4, atol=1e-5)
 
 
+def test_hf_encoder_padding_mask_reaches_the_kernel_as_key_padding() -> None:
+    """transformers' BERT builds its mask as padding (b, 1, 1, s) And q >= 0 (true for every query), expanded to
+    (b, 1, s, s). The factor that keeps everything and the Expand come out, so FusedAttention reads the (b, 1,
+    1, s) key padding (the kernels' key-only path): causal=0, fused == eager with right, left and full padding
+    of a row, at lengths 1, 7 and 37."""
+    from tkopt.models.hf import tiny_model
+
+    class Body(nn.Module):
+        def __init__(self, enc: nn.Module) -> None:
+            super().__init__()
+            self.enc = enc
+
+        def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            return self.enc(input_ids=ids, attention_mask=keep).last_hidden_state
+
+    torch.manual_seed(0)
+    module = Body(tiny_model("bert", num_hidden_layers=1)).eval()
+    ids, keep = torch.randint(1, 100, (3, 9)), torch.ones(3, 9, dtype=torch.int64)
+    dims = ({0: Dim("b", max=8), 1: Dim("s", max=64)},) * 2
+    graph = import_fx(torch.export.export(module, (ids, keep), dynamic_shapes=dims))
+    run_passes(graph)
+    fused = [n for n in graph.nodes if n.op == "FusedAttention"]
+    assert fused and all(n.attrs["causal"] == 0 for n in fused), [n.attrs for n in fused]
+    assert all(n.inputs[3] is not None and n.inputs[3].shape[1:3] == (1, 1) for n in fused), [n.inputs for n in fused]
+    gm = to_torch_module(graph)
+    for s in (1, 7, 37):
+        x, keep = torch.randint(1, 100, (3, s)), torch.ones(3, s, dtype=torch.int64)
+        keep[0, s // 2 + 1:] = 0
+        keep[1, : s // 2] = 0
+        keep[2, :] = 0 if s == 1 else keep[2, :]
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x, keep), module(x, keep), rtol=1e-4, atol=1e-5)
+
+
+def test_a_mask_factor_that_drops_some_query_stays_in_the_mask() -> None:
+    """Near miss of the encoder's split: padding And q >= 1 drops query 0's every key, so that factor does not
+    keep everything and must stay: the mask input is the whole (b, 1, s, s) mask, and fused == eager."""
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            s = x.shape[1]
+            rows = (torch.arange(s) >= 1)[None, None, :, None]
+            mask = (keep.bool()[:, None, None, :] & rows).expand(x.shape[0], 1, s, s)
+            q = x.view(x.shape[0], s, H, D).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    x, keep = _x(2, 6), torch.ones(2, 6, dtype=torch.int64)
+    graph = import_fx(torch.export.export(M(), (x, keep), dynamic_shapes=({0: Dim("b"), 1: Dim("s")},) * 2))
+    run_passes(graph)
+    [fused] = [n for n in graph.nodes if n.op == "FusedAttention"]
+    assert fused.inputs[3] is not None and fused.inputs[3].shape[2] != 1, fused.inputs
+    gm = to_torch_module(graph)
+    x, keep = _x(2, 7), torch.ones(2, 7, dtype=torch.int64)
+    keep[1, :3] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x, keep), M()(x, keep), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 def test_hf_causal_and_padding_mask_splits_in_dynamos_graph_too() -> None:
     """The torch.compile backend traces SDPA decomposed: the same mask arrives as Where(causal And padding, 0,
     -inf) added to the scores, and splits the same way."""
