@@ -511,30 +511,27 @@ def test_hf_causal_mask_from_positions_is_proven(model_type: str) -> None:
             torch.testing.assert_close(gm(x), module(x), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
-def test_hf_causal_and_padding_mask_splits_into_causal_and_the_padding(model_type: str) -> None:
-    """Called with attention_mask, a transformers decoder's traced mask is causal And padding (eager, seeing
-    no padding, would pass none). Keeping is causality and the padding, elementwise, so FusedAttention gets
-    causal=1 and the (b, 1, 1, s) padding factor as its mask: fused == eager with right, left and full
-    padding of a row, at lengths 1, 7 and 37."""
-    from tkopt.models.hf import tiny_model
+class _Padded(nn.Module):
+    """A transformers model called with input_ids and attention_mask, returning its first output."""
 
-    class Body(nn.Module):
-        def __init__(self, lm: nn.Module) -> None:
-            super().__init__()
-            self.lm = lm
+    def __init__(self, model: nn.Module, **kwargs: object) -> None:
+        super().__init__()
+        self.model, self.kwargs = model, kwargs
 
-        def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-            return self.lm(input_ids=ids, attention_mask=keep, use_cache=False).logits
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=keep, **self.kwargs)[0]
 
-    torch.manual_seed(0)
-    module = Body(tiny_model(model_type, "AutoModelForCausalLM", num_hidden_layers=1)).eval()
+
+def _check_padding_split(module: nn.Module, causal: int) -> None:
+    """Export `module` (a _Padded) with dynamic batch and length; every FusedAttention gets `causal` and the
+    (b, 1, 1, s) padding as its mask, and fused == eager with right, left and full padding of a row, at
+    lengths 1, 7 and 37."""
     ids, keep = torch.randint(1, 100, (3, 9)), torch.ones(3, 9, dtype=torch.int64)
     dims = ({0: Dim("b", max=8), 1: Dim("s", max=64)},) * 2
     graph = import_fx(torch.export.export(module, (ids, keep), dynamic_shapes=dims))
     run_passes(graph)
     fused = [n for n in graph.nodes if n.op == "FusedAttention"]
-    assert fused and all(n.attrs["causal"] == 1 for n in fused), [n.attrs for n in fused]
+    assert fused and all(n.attrs["causal"] == causal for n in fused), [n.attrs for n in fused]
     assert all(n.inputs[3] is not None and n.inputs[3].shape[1:3] == (1, 1) for n in fused), [n.inputs for n in fused]
     gm = to_torch_module(graph)
     for s in (1, 7, 37):
@@ -546,38 +543,26 @@ def test_hf_causal_and_padding_mask_splits_into_causal_and_the_padding(model_typ
             torch.testing.assert_close(gm(x, keep), module(x, keep), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_hf_causal_and_padding_mask_splits_into_causal_and_the_padding(model_type: str) -> None:
+    """Called with attention_mask, a transformers decoder's traced mask is causal And padding (eager, seeing
+    no padding, would pass none). Keeping is causality and the padding, elementwise, so FusedAttention gets
+    causal=1 and the (b, 1, 1, s) padding factor as its mask."""
+    from tkopt.models.hf import tiny_model
+
+    torch.manual_seed(0)
+    lm = tiny_model(model_type, "AutoModelForCausalLM", num_hidden_layers=1)
+    _check_padding_split(_Padded(lm, use_cache=False).eval(), causal=1)
+
+
 def test_hf_encoder_padding_mask_reaches_the_kernel_as_key_padding() -> None:
     """transformers' BERT builds its mask as padding (b, 1, 1, s) And q >= 0 (true for every query), expanded to
     (b, 1, s, s). The factor that keeps everything and the Expand come out, so FusedAttention reads the (b, 1,
-    1, s) key padding (the kernels' key-only path): causal=0, fused == eager with right, left and full padding
-    of a row, at lengths 1, 7 and 37."""
+    1, s) key padding (the kernels' key-only path), causal=0."""
     from tkopt.models.hf import tiny_model
 
-    class Body(nn.Module):
-        def __init__(self, enc: nn.Module) -> None:
-            super().__init__()
-            self.enc = enc
-
-        def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-            return self.enc(input_ids=ids, attention_mask=keep).last_hidden_state
-
     torch.manual_seed(0)
-    module = Body(tiny_model("bert", num_hidden_layers=1)).eval()
-    ids, keep = torch.randint(1, 100, (3, 9)), torch.ones(3, 9, dtype=torch.int64)
-    dims = ({0: Dim("b", max=8), 1: Dim("s", max=64)},) * 2
-    graph = import_fx(torch.export.export(module, (ids, keep), dynamic_shapes=dims))
-    run_passes(graph)
-    fused = [n for n in graph.nodes if n.op == "FusedAttention"]
-    assert fused and all(n.attrs["causal"] == 0 for n in fused), [n.attrs for n in fused]
-    assert all(n.inputs[3] is not None and n.inputs[3].shape[1:3] == (1, 1) for n in fused), [n.inputs for n in fused]
-    gm = to_torch_module(graph)
-    for s in (1, 7, 37):
-        x, keep = torch.randint(1, 100, (3, s)), torch.ones(3, s, dtype=torch.int64)
-        keep[0, s // 2 + 1:] = 0
-        keep[1, : s // 2] = 0
-        keep[2, :] = 0 if s == 1 else keep[2, :]
-        with torch.no_grad():
-            torch.testing.assert_close(gm(x, keep), module(x, keep), rtol=1e-4, atol=1e-5)
+    _check_padding_split(_Padded(tiny_model("bert", num_hidden_layers=1)).eval(), causal=0)
 
 
 def test_a_mask_factor_that_drops_some_query_stays_in_the_mask() -> None:
