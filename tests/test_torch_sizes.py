@@ -156,7 +156,7 @@ class _Positions(nn.Module):
         self.block = LinearAddNorm(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.positions(torch.arange(x.shape[1]))
+        h = x + self.positions(torch.arange(x.shape[1], device=x.device))
         return self.block(h, h)
 
 
