@@ -151,11 +151,11 @@ def _keeps(m, mask_keeps: bool):
 
 
 def _masked_score(s, m, mask_kind: str, mask_scale, fill):
-    """One softmax input as the reference computes it, before visibility: from s (the scaled q.k) and m, for a
-    bool mask whether it keeps s (`_keeps`): s where it does, `fill` elsewhere; a float mask's value m is
-    added, then the sum is scaled by mask_scale unless it is None. The one definition of masking, for both
-    programs; each applies visibility after it (a finite fill must never give weight to a padding key or to
-    one causality hides: the reference applies causality after the mask)."""
+    """One softmax input as the reference computes it, before visibility: from s (q.k, scaled unless a GPU
+    program keeps it raw) and m, for a bool mask whether it keeps s (`_keeps`): s where it does, `fill`
+    elsewhere; a float mask's value m is added, then the sum is scaled by mask_scale unless it is None. The
+    one definition of masking, for both programs; each applies visibility after it (a finite fill must never
+    give weight to a padding key or to one causality hides: the reference applies causality after the mask)."""
     if mask_kind == "bool":
         return T.if_then_else(m, s, fill)
     return s + m if mask_scale is None else (s + m) * mask_scale
@@ -290,6 +290,7 @@ def gpu_program(
 
     @T.macro
     def read_keys(Mask, kmask, k, bz, clamp: bool):
+        """load_key_mask's reads, with the keys clamped to seq_kv or not."""
         for j in T.Parallel(block_N):
             kj = k * block_N + j
             m = Mask[0 if bb else bz, 0, 0, 0 if bk else (T.min(kj, seq_kv - 1) if clamp else kj)]
