@@ -202,7 +202,7 @@ def gpu_program(
     Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and `pipelined`
     (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
     fp32, which keeps the plain schedule). `strided_qkv`: q, k, v strides are run-time values (compile_gpu
-    sets it for sm90).
+    sets it where `reads_strided(arch)`).
     """
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
@@ -677,6 +677,12 @@ def _pass_configs(arch: str = "sm90", device: str | None = None) -> dict:
     return {"tl.enable_fast_math": True, **run_pass_configs(arch, device)}
 
 
+def reads_strided(arch: str) -> bool:
+    """Whether `arch`'s programs take q/k/v strides at run time (gpu_program's `strided_qkv`): sm90's, whose TMA
+    loads take them as they come, so `_rows` inputs are read in place there and copied elsewhere."""
+    return arch == "sm90"
+
+
 @functools.cache
 def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None = None):
     """Compile (and cache) the GPU kernel for `key` = gpu_program's keys and a config as sorted items,
@@ -685,7 +691,7 @@ def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None =
 
     if arch != "sm90" and dict(config_items).get("pipelined"):
         raise UnsupportedError(f"flash_attention: the pipelined schedule needs wgmma (sm90), not {arch}")
-    func = gpu_program(*key, **dict(config_items), strided_qkv=arch == "sm90")
+    func = gpu_program(*key, **dict(config_items), strided_qkv=reads_strided(arch))
     return tilelang.compile(func, target=run_target(arch, device), pass_configs=_pass_configs(arch, device))
 
 
@@ -743,7 +749,7 @@ def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mas
     inputs are read in place their addresses' alignment (meta tensors count as aligned)."""
     h = 1 if layout == "bhsd" else 2
     dims = (q.shape[3], q.shape[h], k.shape[h])  # head dim, query heads, key/value heads
-    layouts, (q, k, v) = kernel_layouts(q, k, v, layout, strided=arch == "sm90")
+    layouts, (q, k, v) = kernel_layouts(q, k, v, layout, strided=reads_strided(arch))
     mask_kind, bcast, margs = None, (False,) * 4, ()
     if mask is not None:
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))

@@ -316,7 +316,7 @@ def _config(arch, dim, overrides):
 def _lower(case):
     arch, dtype, dim, hq, hkv, causal, layouts, mk, bc, overrides, *semantics = case
     func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **(semantics[0] if semantics else {}),
-                         strided_qkv=arch == "sm90",
+                         strided_qkv=A.reads_strided(arch),
                          **_config(arch, dim, overrides))
     from tilelang import tvm
 
