@@ -174,7 +174,7 @@ def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
     mask = short_mask(mk, b, s)
     qt, kt, vt = (t if lay == "bhsd" else t.transpose(1, 2) for t in (q, k, v))
     row = dict(name=name, B=b, Hq=hq, Hkv=hkv, S=s, D=d, causal=causal, layout=layout, mask=mk,
-               layouts=A.kernel_layouts(q, k, v, lay)[0])  # fmt: skip
+               layouts=A.kernel_layouts(q, k, v, lay, strided=A.reads_strided("sm90"))[0])  # fmt: skip
     sdpa = dict(enable_gqa=hq != hkv)
     if mask is None:
         fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **sdpa)}
