@@ -17,6 +17,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from tkopt.backends.trig_tables import realize_broadcast_tables
 from tkopt.cuda_graphs import signature
 
 
@@ -27,9 +28,10 @@ class InductorOrEager:
     Without `example_inputs`, as tkopt.compile runs its program: the first call's inputs are compiled
     statically by inductor's compile_fx, and calls with that input signature (cuda_graphs.signature) run that
     code. torch.compile would first have Dynamo trace again the program tkopt traced (most of a warm compile:
-    3.9 of 6.5 s for a 4-layer BERT on CPU). Any other signature goes through torch.compile(gm), with its
-    guards, and with automatic dynamic shapes where `dynamic` (static code first, dynamic dims on a recompile:
-    every dim dynamic ran slower than static code).
+    3.9 of 6.5 s for a 4-layer BERT on CPU). Any other signature goes through torch.compile(gm) with
+    compile_graph as its backend (Dynamo's graph gets the same passes), with its guards, and with automatic
+    dynamic shapes where `dynamic` (static code first, dynamic dims on a recompile: every dim dynamic ran
+    slower than static code).
 
     Given `example_inputs` (the graph's inputs as Dynamo sees them: fakes with their symbolic sizes), through
     compile_fx as a torch.compile backend calls it, for a torch.compile backend: there a nested torch.compile
@@ -53,7 +55,8 @@ class InductorOrEager:
         if key == self.first[0]:
             return self.first[1](*args)
         if self.traced is None:
-            self.traced = torch.compile(self.gm, fullgraph=True, dynamic=None if self.dynamic else False)
+            self.traced = torch.compile(self.gm, fullgraph=True, dynamic=None if self.dynamic else False,
+                                        backend=compile_graph)
         return self.traced(*args)
 
     def __call__(self, *args: Any) -> Any:
@@ -73,7 +76,8 @@ class InductorOrEager:
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     """Inductor's code for `gm` (a copy: inductor edits the graph it compiles), by compile_fx as a torch.compile
     backend calls it: `example_inputs` as Dynamo passes them (real tensors, or fakes with symbolic sizes),
-    in the current tracing context (Dynamo's, inside a backend), if any. A graph that takes pytrees (an
+    in the current tracing context (Dynamo's, inside a backend), if any. Broadcast cos/sin tables are realized
+    once first (trig_tables): inductor would recompute them in every consumer. A graph that takes pytrees (an
     export's) keeps its calling convention: compile_fx flattens the arguments, the example's and each call's."""
     from torch._inductor.compile_fx import compile_fx
 
@@ -84,7 +88,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
     # module cannot be pickled, so a graph that calls it would never hit inductor's caches.
     for n in graph.find_nodes(op="call_module", target="_guards_fn"):
         graph.erase_node(n)
-    return compile_fx(fx.GraphModule(gm, graph), list(example_inputs))
+    copy = fx.GraphModule(gm, graph)
+    realize_broadcast_tables(copy, example_inputs)
+    return compile_fx(copy, list(example_inputs))
 
 
 def static_fakes(args: Sequence[Any]) -> list[Any]:

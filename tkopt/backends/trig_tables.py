@@ -1,0 +1,125 @@
+"""Broadcast cos/sin tables realized once, before inductor compiles a graph.
+
+A rotary (or sinusoidal) position table is computed once per model, e.g. HF Llama's
+`cos = cat(inv_freq @ positions).cos()`, a (B, S, D) value that every layer's q and k broadcast over the
+heads. Inductor counts cos/sin as cheap pointwise ops and inlines the table into each consumer
+(`should_realize_on_reuse`), so precise cos and sin run again for every head of every layer: on the H200 a
+Llama-style model's rotary kernels cost 4x their memory traffic. A barrier after the cos/sin that inductor
+honours (`prims.inductor_force_stride_order`, with the value's own strides: it realizes the table into a
+buffer) and eager computes as the identity makes inductor compute the table in one kernel.
+
+Only cos and sin: LayerNorm's rsqrt is broadcast too, and realizing it would split inductor's norm kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_force_stride_order
+import torch.utils._pytree as pytree
+from torch import fx
+
+_TRIG_FUNCTIONS = {torch.ops.aten.cos.default, torch.ops.aten.sin.default, torch.cos, torch.sin}
+_TRIG_METHODS = {"cos", "sin"}
+_HOPS = 6  # how far a table's same-size users (a scale, a cast, a view) are followed to its broadcast
+
+
+def realize_broadcast_tables(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Insert a realization barrier after each cos/sin of `gm` whose value is broadcast downstream, and
+    recompile `gm`; returns how many.
+
+    Sizes are read from each node's traced value ("val" in aten graphs, "example_value" in Dynamo's), symbolic
+    sizes at their hints: a misjudged size costs speed only, the barrier never changes a value. The barrier
+    has no autograd formula, so a table that autograd records (it depends on an input or parameter that
+    requires grad, with grad enabled, as at this compile) is left as it is."""
+    graph = gm.graph
+    recorded = _recorded_by_autograd(gm, example_inputs)
+    tables = [n for n in graph.nodes if _is_trig(n) and n not in recorded and _broadcast(n)]
+    for node in tables:
+        _insert_barrier(graph, node)
+    gm.recompile()
+    return len(tables)
+
+
+def _recorded_by_autograd(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> set[fx.Node]:
+    """The nodes that depend on an input or parameter that requires grad (any op counted as differentiable).
+    `example_inputs` flattened are the graph's placeholders, as compile_fx matches them."""
+    if not torch.is_grad_enabled():
+        return set()
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    leaves = pytree.tree_leaves(list(example_inputs))
+    recorded = {p for p, x in zip(placeholders, leaves, strict=True) if _requires_grad(x)}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            if _requires_grad(functools.reduce(getattr, node.target.split("."), gm)):
+                recorded.add(node)
+        elif any(a in recorded for a in node.all_input_nodes):
+            recorded.add(node)
+    return recorded
+
+
+def _requires_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+def _is_trig(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _TRIG_FUNCTIONS
+    return node.op == "call_method" and node.target in _TRIG_METHODS
+
+
+def _value(node: fx.Node) -> torch.Tensor | None:
+    v = node.meta.get("val", node.meta.get("example_value"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _numel(node: fx.Node) -> int | None:
+    v = _value(node)
+    if v is None:
+        return None
+    n = v.numel()
+    return n.node.hint if isinstance(n, torch.SymInt) else n
+
+
+def _broadcast(node: fx.Node) -> bool:
+    """Whether a user within _HOPS, reached through users of the same size, has more elements than `node`."""
+    size = _numel(node)
+    if size is None:
+        return False
+    frontier = [node]
+    for _ in range(_HOPS):
+        reached = []
+        for user in (u for n in frontier for u in n.users):
+            numel = _numel(user)
+            if numel is not None and numel > size:
+                return True
+            if numel == size:
+                reached.append(user)
+        frontier = reached
+    return False
+
+
+def _insert_barrier(graph: fx.Graph, node: fx.Node) -> None:
+    """`node`'s users read `inductor_force_stride_order(node, node's strides)` instead, the strides read from
+    the value itself (exact at every size, dynamic ones included)."""
+    value = _value(node)
+    assert value is not None  # _broadcast read its size
+    key = "val" if "val" in node.meta else "example_value"
+    strides: list[fx.Node] = []
+    anchor = node
+    for dim in range(value.dim()):
+        with graph.inserting_after(anchor):
+            if key == "val":
+                anchor = graph.call_function(torch.ops.aten.sym_stride.int, (node, dim))
+            else:
+                anchor = graph.call_method("stride", (node, dim))
+        anchor.meta[key] = value.stride(dim)
+        strides.append(anchor)
+    with graph.inserting_after(anchor):
+        barrier = graph.call_function(torch.ops.prims.inductor_force_stride_order.default, (node, strides))
+    barrier.meta[key] = value
+    ours: set[Any] = {barrier, *strides}
+    node.replace_all_uses_with(barrier, delete_user_cb=lambda user: user not in ours)
