@@ -123,15 +123,15 @@ def qkv(b, hq, hkv, sq, skv, d, layout, dtype):
     return one(hq, sq), one(hkv, skv), one(hkv, skv)
 
 
-# whole_models' attention nodes (H200, 2026-12-01 call 2, node timings: ours 0.0757 ms vs SDPA 0.0286 for
-# nn.TransformerEncoderLayer(1024, 16) at 8x512, whose q/k/v are "mha" views; BERT-base 16x512, whose
-# attention_mask becomes a (B, 1, S, S) bool mask: 0.113 vs 0.074), and the decoders' (call 5: GPT-2 0.174 vs
-# 0.152 ms), whose causal And padding mask tkopt splits into causal=1 and a (B, 1, 1, S) key padding mask:
-# (name, B, Hq, Hkv, S, D, causal, layout, mask kind). Masks keep everything, as the benchmarks' inputs do.
+# whole_models' attention nodes: nn.TransformerEncoderLayer(1024, 16) at 8x512, whose q/k/v are "mha" views;
+# BERT-base 16x512, whose padding mask tkopt takes out of its (B, 1, S, S) mask as a (B, 1, 1, S) key padding
+# mask; the decoders', whose causal And padding mask tkopt splits into causal=1 and a key padding mask:
+# (name, B, Hq, Hkv, S, D, causal, layout, mask kind). Masks keep everything, as the benchmarks' inputs do; the
+# "padded" rows time the same node with one key of every batch row masked (the kernels' masked path).
 SHORT_CASES = [
     ("encoder 8x512", 8, 16, 16, 512, 64, False, "mha", None),
     ("encoder 8x512 contiguous", 8, 16, 16, 512, 64, False, "bhsd", None),
-    ("bert 16x512 mask", 16, 12, 12, 512, 64, False, "bshd", "bool-rows"),
+    ("bert 16x512 keys", 16, 12, 12, 512, 64, False, "bshd", "bool"),
     ("bert 16x512 no mask", 16, 12, 12, 512, 64, False, "bshd", None),
     ("gpt2 8x1024 causal+keys", 8, 12, 12, 1024, 64, True, "bhsd", "bool"),
     ("gpt2 8x1024 causal", 8, 12, 12, 1024, 64, True, "bhsd", None),
@@ -153,12 +153,15 @@ def short_specs(only: list[str] | None = None):
             for cfg in A.tune_candidates("sm90", d, masked=mk is not None)]  # fmt: skip
 
 
-def short_mask(kind, b, s):
-    """A SHORT_CASES mask that keeps every key: "bool-rows" (B, 1, S, S), "bool" key padding (B, 1, 1, S)."""
+def short_mask(kind, b, s, padded: bool = False):
+    """A SHORT_CASES mask, "bool" key padding (B, 1, 1, S), that keeps every key, or with `padded` all but
+    every row's last key."""
     if kind is None:
         return None
-    shape = (b, 1, s, s) if kind == "bool-rows" else (b, 1, 1, s)
-    return torch.ones(shape, dtype=torch.bool, device="cuda")
+    mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
+    if padded:
+        mask[..., -1] = False
+    return mask
 
 
 def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
@@ -199,6 +202,12 @@ def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
             row[label + " (graph)"] = f"failed: {e!r}"[:300]
     first = next(x for x in fns if x.startswith("ours"))
     row[first + " (eager)"] = bench(fns[first])
+    if mask is not None:
+        padded = short_mask(mk, b, s, padded=True)
+        cfg = A.tune_candidates("sm90", d, masked=True)[0]  # the one `first` names
+        graph, _ = capture(lambda: A.flash_attention(q, k, v, causal=causal, mask=padded, layout=lay, arch="sm90",
+                                                     config=cfg), q.device)  # fmt: skip
+        row[first + " padded (graph)"] = bench(graph.replay)
     return row
 
 
@@ -229,8 +238,6 @@ def _warm_one(spec):
         mask = torch.randn(b, 1, sq, skv, device="cuda")
     elif mk == "bool":
         mask = torch.rand(b, 1, 1, skv, device="cuda") > 0.3
-    elif mk == "bool-rows":
-        mask = torch.rand(b, 1, sq, skv, device="cuda") > 0.3
     t = time.perf_counter()
     try:
         flash_attention(q, k, v, causal=causal, mask=mask, layout="bhsd" if layout == "mha" else layout, arch=arch,

@@ -138,6 +138,23 @@ def _mask_shape(bcast: tuple[bool, bool, bool, bool], full: Sequence) -> list:
     return [1 if bc else n for bc, n in zip(bcast, full, strict=True)]
 
 
+def _key_only(bcast: tuple[bool, bool, bool, bool]) -> bool:
+    """Whether a mask broadcast as `bcast` over (B, Hq, Sq, Skv) is a key padding mask: one value per (batch, key)."""
+    return bcast[1] and bcast[2]
+
+
+def _kept_rows(m: torch.Tensor, mask_kind: str, mask_keeps: bool) -> torch.Tensor:
+    """Per batch row of a key-only kernel mask m (uint8 or float, (B or 1, 1, 1, Skv or 1)), the value from which
+    the GPU program reads whether the row keeps every key (gpu_program's Kept): a bool mask's least value where
+    nonzero keeps (its greatest otherwise: `_keeps` of it), a float mask's largest magnitude (0: adds nothing;
+    NaN is not 0). One reduction kernel per call, in place of the mask's loads in every CTA of a row with no
+    padding."""
+    rows = m.reshape(m.shape[0], -1)
+    if mask_kind == "bool":
+        return rows.amin(1) if mask_keeps else rows.amax(1)
+    return torch.linalg.vector_norm(rows, math.inf, dim=1)
+
+
 def _visible(q_idx, k_idx, seq_kv, causal: bool):
     """Whether key k_idx enters query q_idx's softmax: it exists (not padding of a partial key block) and,
     causal, is not after the query."""
@@ -192,6 +209,7 @@ def gpu_program(
     threads: int = 256,
     pipelined: bool = False,
     strided_qkv: bool = False,
+    kept_rows: bool = False,
 ):
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
@@ -202,7 +220,8 @@ def gpu_program(
     Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and `pipelined`
     (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
     fp32, which keeps the plain schedule). `strided_qkv`: q, k, v strides are run-time values (compile_gpu
-    sets it where `reads_strided(arch)`).
+    sets it where `reads_strided(arch)`). `kept_rows` (compile_gpu sets it): a key-only mask comes with
+    Kept, its summary per batch row (`_kept_rows`), after Mask.
     """
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
@@ -230,7 +249,11 @@ def gpu_program(
     m_shape = _mask_shape(mask_bcast, (batch, heads_q, seq_q, seq_kv))
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
     bb, bh, bq, bk = mask_bcast
-    key_only = has_mask and bh and bq  # a key padding mask: one value per (batch, key)
+    key_only = has_mask and _key_only(mask_bcast)
+    # Kept (kept_rows): per batch row of a key-only mask, whether it keeps every key (`_kept_rows`), read once
+    # per CTA. Such a row (all of a batch without padding: what the decoders' benchmarks and most served
+    # batches have) skips the mask: no loads, no selects, as eager's SDPA skips an all-ones padding mask.
+    kept_rows = bool(kept_rows) and key_only
     # Without a mask the scale is folded into exp2: exp2(s * scale*log2e - max * scale*log2e), with the row
     # term hoisted, is one FFMA + one EX2 per score (FA3's trick). So with a bool mask whose fill is -inf
     # (`raw_scores`): masking only selects q.k or -inf, one FSEL per score. With another mask, scores are
@@ -313,14 +336,17 @@ def gpu_program(
             read_keys(Mask, kmask, k, bz, clamp=True)
 
     @T.macro
-    def apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide: bool, clamp: bool = True):
+    def apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide: bool, clamp: bool = True, kept: bool = False):
         """acc_s (the raw q.k of block k, the GEMM cleared it) masked (a key-only mask from `kmask`, which
         load_key_mask filled, else read per score, with the indices clamped into the mask unless `clamp` is
-        False, for a block inside both lengths), scaled into `to_scores` units first unless `raw_scores`;
-        then, with `hide`, -inf for invisible keys, else the caller hides them (mask_scores): after the mask,
-        never under it, or a finite fill would overwrite the -inf of padding and causality."""
+        False, for a block inside both lengths; with `kept`, a row that keeps every key: the mask's neutral
+        value, nothing read), scaled into `to_scores` units first unless `raw_scores`; then, with `hide`, -inf
+        for invisible keys, else the caller hides them (mask_scores): after the mask, never under it, or a
+        finite fill would overwrite the -inf of padding and causality."""
         for i, j in T.Parallel(block_M, block_N):
-            if kmask is not None:
+            if kept:
+                m = True if mask_kind == "bool" else T.float32(0)
+            elif kmask is not None:
                 m = kmask[j] != 0 if mask_kind == "bool" else kmask[j]
             else:
                 qi, kj = bx * block_M + i, k * block_N + j
@@ -379,7 +405,8 @@ def gpu_program(
             acc_o[i, j] *= scores_scale[i]
 
     @T.macro
-    def plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, loop_range, bx, by, bz):
+    def plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, all_kept, loop_range, bx, by,
+                   bz):
         """One K/V block per step, in order: QK^T, softmax, rescale, PV. Every T.gemm waits for its wgmma
         at once, so each consumer warpgroup runs the softmax between its two GEMMs, unhidden. TileLang's
         producer/consumer warp specialization overlaps the TMA loads (num_stages buffers) with all of it."""
@@ -389,7 +416,13 @@ def gpu_program(
             T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
             if has_mask:
                 T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True)
+                if kept_rows:
+                    if all_kept:
+                        apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True, kept=True)
+                    else:
+                        apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True)
+                else:
+                    apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True)
             else:
                 init_scores(acc_s, k, bx)
                 T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -400,18 +433,24 @@ def gpu_program(
             T.gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
     @T.macro
-    def scores_of(acc_s, Mask, kmask, k, bx, by, bz):
+    def scores_of(acc_s, Mask, kmask, all_kept, k, bx, by, bz):
         """The pipelined schedule's masked scores. A mask read per score skips the index clamps on the blocks
         inside both lengths (as load_key_mask does)."""
         if has_mask:
-            if kmask is None and ((bx + 1) * block_M <= seq_q) & ((k + 1) * block_N <= seq_kv):
+            if kept_rows:
+                if all_kept:
+                    apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False, kept=True)
+                else:
+                    apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False)
+            elif kmask is None and ((bx + 1) * block_M <= seq_q) & ((k + 1) * block_N <= seq_kv):
                 apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False, clamp=False)
             else:
                 apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False)
         mask_scores(acc_s, k, bx)
 
     @T.macro
-    def pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, kmask, n, bx, by, bz):
+    def pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, kmask, all_kept, n, bx,
+                       by, bz):
         """FlashAttention-3's intra-warpgroup overlap: step t issues QK^T of block t, then PV of block t-1,
         both as async wgmma (T.wgmma_gemm), waits for QK^T only (wgmma groups retire in issue order:
         wait_wgmma(1) leaves the PV in flight), and runs the softmax of block t while the tensor cores do
@@ -441,10 +480,13 @@ def gpu_program(
             if t == 0:
                 T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True,
                              policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
-                if kmask is not None:
+                if kept_rows:
+                    if not all_kept:
+                        load_key_mask(Mask, kmask, t, bz)
+                elif kmask is not None:
                     load_key_mask(Mask, kmask, t, bz)
                 T.wait_wgmma(0)
-                scores_of(acc_s, Mask, kmask, t, bx, by, bz)
+                scores_of(acc_s, Mask, kmask, all_kept, t, bx, by, bz)
                 softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 T.copy(acc_s, P_buf)
             elif t < n:
@@ -452,10 +494,13 @@ def gpu_program(
                              policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
                 rescale(acc_o, scores_scale)
                 T.wgmma_gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                if kmask is not None:
+                if kept_rows:
+                    if not all_kept:
+                        load_key_mask(Mask, kmask, t, bz)
+                elif kmask is not None:
                     load_key_mask(Mask, kmask, t, bz)
                 T.wait_wgmma(1)
-                scores_of(acc_s, Mask, kmask, t, bx, by, bz)
+                scores_of(acc_s, Mask, kmask, all_kept, t, bx, by, bz)
                 softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 # Always true: a branch ptxas cannot see through (a warp vote), so that the PV wait starts a
                 # basic block after the softmax. Without it ptxas hoists the wait above the softmax (in the
@@ -472,7 +517,7 @@ def gpu_program(
                 T.wait_wgmma(0)
 
     @T.macro
-    def body(Q, K, V, Mask, Output):
+    def body(Q, K, V, Mask, Kept, Output):
         with T.Kernel(T.ceildiv(seq_q, block_M), heads_q, batch, threads=threads) as (bx, by, bz):
             Q_shared = T.alloc_shared([block_M, dim], dtype)
             K_shared = T.alloc_shared([block_N, dim], dtype)
@@ -491,6 +536,10 @@ def gpu_program(
             logsum = T.alloc_fragment([block_M], accum)
             stats = (scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
             kmask = T.alloc_fragment([block_N], accum) if key_only and pipelined else None
+            all_kept = None
+            if kept_rows:
+                row = Kept[0 if bb else bz]
+                all_kept = _keeps(row, mask_keeps) if mask_kind == "bool" else row == 0
 
             T.copy(tile(Q, lq, bz, by, bx * block_M, block_M), Q_shared)
             T.fill(acc_o, 0)
@@ -504,9 +553,9 @@ def gpu_program(
 
             if pipelined:
                 pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, kmask,
-                               loop_range, bx, by, bz)  # fmt: skip
+                               all_kept, loop_range, bx, by, bz)  # fmt: skip
             else:
-                plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask,
+                plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, all_kept,
                            loop_range, bx, by, bz)  # fmt: skip
 
             if has_mask or guard == "nan":  # without a mask no row is fully masked (seq_kv >= 1, top-left)
@@ -518,7 +567,20 @@ def gpu_program(
             T.copy(acc_o, O_shared)
             T.copy(O_shared, tile(Output, lo, bz, by, bx * block_M, block_M))
 
-    if has_mask:
+    if kept_rows:
+
+        @T.prim_func
+        def flash_attention_fwd(
+            Q: q_t,
+            K: k_t,
+            V: v_t,
+            Mask: T.Tensor(m_shape, m_dtype),
+            Kept: T.Tensor(m_shape[:1], m_dtype),
+            Output: T.Tensor(o_shape, dtype),
+        ):
+            body(Q, K, V, Mask, Kept, Output)
+
+    elif has_mask:
 
         @T.prim_func
         def flash_attention_fwd(
@@ -528,7 +590,7 @@ def gpu_program(
             Mask: T.Tensor(m_shape, m_dtype),
             Output: T.Tensor(o_shape, dtype),
         ):
-            body(Q, K, V, Mask, Output)
+            body(Q, K, V, Mask, None, Output)
 
     else:
 
@@ -539,7 +601,7 @@ def gpu_program(
             V: v_t,
             Output: T.Tensor(o_shape, dtype),
         ):
-            body(Q, K, V, Q, Output)
+            body(Q, K, V, Q, None, Output)
 
     return flash_attention_fwd
 
@@ -691,7 +753,7 @@ def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None =
 
     if arch != "sm90" and dict(config_items).get("pipelined"):
         raise UnsupportedError(f"flash_attention: the pipelined schedule needs wgmma (sm90), not {arch}")
-    func = gpu_program(*key, **dict(config_items), strided_qkv=reads_strided(arch))
+    func = gpu_program(*key, **dict(config_items), strided_qkv=reads_strided(arch), kept_rows=True)
     return tilelang.compile(func, target=run_target(arch, device), pass_configs=_pass_configs(arch, device))
 
 
@@ -759,7 +821,7 @@ def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mas
         else:
             wide = arch == "cpu" and q.dtype == torch.float64  # the cpu kernel reads float64 masks as float64
             mask_kind, m = "add", m.to(torch.float64 if wide else torch.float32).contiguous()
-        margs = (m,)
+        margs = (m, _kept_rows(m, mask_kind, mask_keeps)) if arch != "cpu" and _key_only(bcast) else (m,)
     key = (dtype, *dims, bool(causal), layouts, mask_kind, bcast, None if scale is None else float(scale),
            float(mask_scale), float(mask_fill), guard, bool(mask_keeps))
     return key, (q, k, v), margs

@@ -136,6 +136,19 @@ def test_packed_qkv_heads_are_read_in_place_by_the_sm90_programs():
     assert views[0].data_ptr() == one.data_ptr() and all(st * 2 % 16 == 0 for st in views[0].stride()[:3])
 
 
+def test_kept_rows_summarize_whether_a_row_keeps_every_key():
+    """The GPU programs skip a key-only mask's reads for a batch row whose summary says it keeps every key, so
+    the summary must say so only then: a bool mask (either polarity) and an additive one, where -0.0 adds
+    nothing but NaN and -inf do (and a (1, 1, 1, Skv) mask has one row)."""
+    keys = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 0]], dtype=torch.uint8).view(3, 1, 1, 3)
+    for mask_keeps, kept in ((True, [True, False, False]), (False, [False, False, True])):
+        row = A._kept_rows(keys, "bool", mask_keeps)
+        assert ((row != 0) if mask_keeps else (row == 0)).tolist() == kept  # as the program's _keeps reads it
+    add = torch.tensor([[0.0, -0.0], [0.0, float("nan")], [float("-inf"), 0.0], [0.0, 1e-30]]).view(4, 1, 1, 2)
+    assert (A._kept_rows(add, "add", True) == 0).tolist() == [True, False, False, False]
+    assert A._kept_rows(keys[:1], "bool", True).shape == (1,)
+
+
 def test_cpu_noncontiguous_copied():
     torch.manual_seed(4)
     big = _rand(2, 3, 19, 64)
@@ -289,7 +302,8 @@ def test_bad_inputs_raise_clear_errors():
 # ---------------------------------------------------------------------- CUDA lowering + nvcc (no GPU)
 # (arch, dtype, dim, heads_q, heads_kv, causal, layouts, mask_kind, mask_bcast, config overrides[, semantics])
 # sm90 defaults to the pipelined schedule; one case keeps the plain one (each case is ~10-25 s here).
-# semantics: gpu_program's mask_scale / mask_fill / guard (a finite fill, a scaled mask, NaN rows).
+# semantics: gpu_program's mask_scale / mask_fill / guard (a finite fill, a scaled mask, NaN rows), and
+# kept_rows (compile_gpu's True by default; the ONNX Runtime op library's programs take no Kept).
 LOWER_CASES = {
     "sm90-f16-d128-causal-gqa-sbhd": ("sm90", "float16", 128, 8, 2, True, ("sbhd", "sbhd", "sbhd", "bhsd"), None,
                                       (False,) * 4, {}),
@@ -298,7 +312,7 @@ LOWER_CASES = {
     "sm90-plain-bf16-d64-addmask-bshd": ("sm90", "bfloat16", 64, 4, 4, False, ("bshd",) * 4, "add",
                                          (False, True, False, False), {"pipelined": False}),
     "sm80-f16-d128-boolmask-gqa": ("sm80", "float16", 128, 8, 2, True, ("bshd", "bhsd", "bhsd", "bshd"), "bool",
-                                   (False, True, True, False), {}),
+                                   (False, True, True, False), {}, {"kept_rows": False}),
     "sm90-f16-d64-finitefill-nanguard": ("sm90", "float16", 64, 4, 4, False, ("bhsd",) * 4, "bool",
                                          (False, True, False, False), {},
                                          {"mask_fill": -1e4, "guard": "nan", "mask_keeps": False}),
@@ -315,9 +329,9 @@ def _config(arch, dim, overrides):
 
 def _lower(case):
     arch, dtype, dim, hq, hkv, causal, layouts, mk, bc, overrides, *semantics = case
-    func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **(semantics[0] if semantics else {}),
-                         strided_qkv=A.reads_strided(arch),
-                         **_config(arch, dim, overrides))
+    options = {"kept_rows": True, **(semantics[0] if semantics else {})}
+    func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **options,
+                         strided_qkv=A.reads_strided(arch), **_config(arch, dim, overrides))
     from tilelang import tvm
 
     with tvm.transform.PassContext(config=A._pass_configs(arch)):
@@ -333,6 +347,9 @@ def lowered():
 def test_cuda_lowers_and_nvcc_compiles(lowered, name):
     arch, dim, overrides = LOWER_CASES[name][0], LOWER_CASES[name][2], LOWER_CASES[name][9]
     src = lowered[name]
+    key_only = LOWER_CASES[name][8][1:3] == (True, True)
+    kept = key_only and {"kept_rows": True, **(LOWER_CASES[name][10:] or [{}])[0]}["kept_rows"]
+    assert ("Kept" in src) == kept, "a key-only mask's programs take Kept where kept_rows says so"
     if arch == "sm90":
         assert "wgmma" in src and "tma_load" in src, "sm90 variant should use wgmma and TMA"
         assert "warpgroup_reg_alloc" in src, "sm90 variant should be warp specialized"
@@ -583,19 +600,22 @@ def test_gpu_semantics_match_reference(variant, case):
         pytest.skip("sm90 variant needs a Hopper GPU")
     kind, mask_scale, fill, guard, causal, keeps = GPU_SEMANTICS[case]
     torch.manual_seed(11)
-    q, k, v = _qkv(2, 4, 2, 150, 211, 64, dtype=torch.float16, device="cuda")
     rows = 1 if kind.endswith("-keys") else 150
+    b = 3 if rows == 1 else 2  # key-only: batch 2 keeps every key (a row the kernels read no mask for)
+    q, k, v = _qkv(b, 4, 2, 150, 211, 64, dtype=torch.float16, device="cuda")
     if kind.startswith("add"):
-        mask = torch.randn(2, 1, rows, 211, device="cuda") * 4
+        mask = torch.randn(b, 1, rows, 211, device="cuda") * 4
         if kind == "add-late":  # the first key blocks all -inf, later keys finite but far below 0
             mask[..., :160] = float("-inf")
             mask[..., 160:] -= 1e4
         if kind == "add-keys":
             mask[1, ..., 100:180] = float("-inf")
+            mask[2] = 0
     else:
-        mask = torch.rand(2, 1, rows, 211, device="cuda") > 0.4
+        mask = torch.rand(b, 1, rows, 211, device="cuda") > 0.4
         if rows == 1:
             mask[0] = not keeps  # batch 0: every key masked
+            mask[2] = keeps
         else:
             mask[0, 0, 7] = False  # every key of row 7 masked
             mask[1, 0, 140:] = False  # rows in the last query block
