@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch import nn
 from torch._inductor.utils import run_and_get_code
@@ -58,17 +59,21 @@ def _export_dynamic(model: nn.Module) -> torch.fx.GraphModule:
     return torch.export.export(model, _rotary_inputs(5), dynamic_shapes=({2: Dim("seq")}, {2: Dim("seq")})).module()
 
 
-def test_llama_computes_its_rotary_tables_once() -> None:
+@pytest.mark.parametrize("device, dtype", [
+    ("cpu", torch.float32), pytest.param("cuda", torch.float16, marks=pytest.mark.gpu)])
+def test_llama_computes_its_rotary_tables_once(device: str, dtype: torch.dtype) -> None:
     """tkopt.compile's program for a tiny HF Llama: inductor computes cos and sin in one kernel each (without
-    the barrier, in every layer's q/k kernel), and the logits equal eager's."""
-    model = tiny_model("llama", "AutoModelForCausalLM")
-    ids, _ = example_inputs(2, 8)
+    the barrier, in every layer's q/k kernel), and the logits equal eager's. On CUDA: Triton kernels, fp16."""
+    model = tiny_model("llama", "AutoModelForCausalLM").to(device, dtype)
+    ids = example_inputs(2, 8)[0].to(device)
     fast = tkopt.compile(model, (ids,), inductor=True, select="all")
     with torch.no_grad():
         out, code = run_and_get_code(fast, ids)
         want = model(ids).logits
-    assert (_kernels_computing(code[0], "cos"), _kernels_computing(code[0], "sin")) == (1, 1)
-    torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)
+    (program,) = [c for c in code if "torch.ops.tkopt." in c]  # inductor's code around the fused nodes
+    assert (_kernels_computing(program, "cos"), _kernels_computing(program, "sin")) == (1, 1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.logits, want, rtol=tol, atol=tol)
 
 
 def test_dynamic_sequence_tables_at_several_sizes() -> None:
