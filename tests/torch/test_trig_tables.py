@@ -140,11 +140,18 @@ class ReducedTable(nn.Module):
         return y * x.cos().sum()  # what is broadcast is the sum, not the table
 
 
+class ConcatenatedAndGathered(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = x.cos()  # more elements downstream, but each read about once
+        return torch.cat((table, x)), table[torch.arange(12) % 3]
+
+
 def test_only_broadcast_trig_tables_get_a_barrier() -> None:
     x = torch.randn(3, 5)
     assert _barriers(Elementwise(), x) == 0
     assert _barriers(BroadcastRsqrt(), x) == 0  # a norm's rsqrt stays inside inductor's norm kernel
     assert _barriers(ReducedTable(), x, torch.randn(4, 3, 5)) == 0
+    assert _barriers(ConcatenatedAndGathered(), x) == 0
     assert _barriers(TwoLayerRotary(), *_rotary_inputs(5)) == 2
 
 

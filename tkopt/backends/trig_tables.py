@@ -14,6 +14,7 @@ Only cos and sin: LayerNorm's rsqrt is broadcast too, and realizing it would spl
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,30 +77,40 @@ def _value(node: fx.Node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _numel(node: fx.Node) -> int | None:
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The node's tensor shape, symbolic sizes at their hints; None without a tensor value or a hint."""
     v = _value(node)
     if v is None:
         return None
-    n = v.numel()
-    return n.node.hint if isinstance(n, torch.SymInt) else n
+    sizes = [d.node.hint if isinstance(d, torch.SymInt) else d for d in v.shape]
+    return None if None in sizes else tuple(sizes)
 
 
 def _broadcast(node: fx.Node) -> bool:
-    """Whether a user within _HOPS, reached through users of the same size, has more elements than `node`."""
-    size = _numel(node)
-    if size is None:
+    """Whether a user within _HOPS, reached through users with as many elements (a scale, a cast, a view),
+    broadcasts the value to more elements: its shape has the value's, right-aligned, with 1s widened or dims
+    added (a concatenation or a gather of the table is no broadcast: they read each element about once)."""
+    shape = _shape(node)
+    if shape is None:
         return False
-    frontier = [node]
+    size = math.prod(shape)
+    frontier = [(node, shape)]
     for _ in range(_HOPS):
         reached = []
-        for user in (u for n in frontier for u in n.users):
-            numel = _numel(user)
-            if numel is not None and numel > size:
-                return True
-            if numel == size:
-                reached.append(user)
+        for n, have in frontier:
+            for user in n.users:
+                out = _shape(user)
+                if out is not None and math.prod(out) == size:
+                    reached.append((user, out))
+                elif out is not None and math.prod(out) > size and _broadcasts(have, out):
+                    return True
         frontier = reached
     return False
+
+
+def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
+    tail = out[len(out) - len(shape):]
+    return len(shape) <= len(out) and all(s in (1, o) for s, o in zip(shape, tail, strict=True))
 
 
 def _insert_barrier(graph: fx.Graph, node: fx.Node) -> None:
