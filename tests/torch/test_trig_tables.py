@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import torch._inductor.inductor_prims  # noqa: F401 - registers the barrier's prim
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 from torch.export import Dim

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_force_stride_order
 import torch.utils._pytree as pytree
 from torch import fx
 
@@ -36,6 +35,9 @@ def realize_broadcast_tables(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
     sizes at their hints: a misjudged size costs speed only, the barrier never changes a value. The barrier
     has no autograd formula, so a table that autograd records (it depends on an input or parameter that
     requires grad, with grad enabled, as at this compile) is left as it is."""
+    # registers prims.inductor_force_stride_order; here, not at import: it imports inductor (0.9 s)
+    import torch._inductor.inductor_prims  # noqa: F401
+
     graph = gm.graph
     recorded = _recorded_by_autograd(gm, example_inputs)
     tables = [n for n in graph.nodes if _is_trig(n) and n not in recorded and _broadcast(n)]
