@@ -10,7 +10,6 @@ import torch
 
 import tkopt
 from tkopt.backends.dynamo import make_backend
-from tkopt.kernels.arch import Build
 from tkopt.models import blocks
 from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 
@@ -259,44 +258,3 @@ def test_packed_gate_up_mlp_on_gpu(arch: str, monkeypatch) -> None:
             want = (torch.nn.functional.silu(g) * u) @ model.down.weight.float().T
             assert _rel(fast(x.half()), want) < 1e-2
             model.gate_up.weight.mul_(-0.5)
-
-
-def _gemm_specs(dtype: str, bias: bool, residual: bool) -> list:
-    """FusedGemm's input specs (dtype, shape, strides): A (2, 9, 64) against a (96, 64) linear weight."""
-    return [(dtype, (2, 9, 64), (576, 64, 1)), (dtype, (96, 64), (64, 1)), (dtype, (96,), (1,)) if bias else None,
-            (dtype, (2, 9, 96), (864, 96, 1)) if residual else None]
-
-
-def test_gpu_bias_relu_and_tanh_gelu_gemms_run_cublaslt_and_build_no_kernel() -> None:
-    """On a GPU, 16-bit, bias + ReLU or tanh-GELU with nothing after it runs as cuBLASLt's epilogue, so the build
-    wave plans no TileLang GEMM for it; erf GELU, a residual, no bias, fp32 and the CPU keep the TileLang kernel."""
-    from tkopt.fused_ops import schema
-
-    op = schema("FusedGemm")
-    h200 = Build("sm90", "sm_90", 132)
-
-    def planned(act: str, dtype: str = "float16", bias: bool = True, residual: bool = False, build=h200) -> int:
-        return len(op.compiles(_gemm_specs(dtype, bias, residual), op.full_attrs({"trans_b": 1, "activation": act}),
-                               build))  # fmt: skip
-
-    assert planned("relu") == planned("gelu_tanh") == planned("gelu_tanh", "bfloat16") == 0
-    assert min(planned("gelu"), planned("relu", residual=True), planned("relu", bias=False),
-               planned("relu", "float32"), planned("relu", "float32", build=Build("cpu"))) > 0  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("act", ["relu", "gelu_tanh"])
-def test_cublaslt_epilogue_matches_the_reference(act: str) -> None:
-    """FusedGemm's cuBLASLt path (batched A, either weight layout, fp16 and bf16) against its float32 reference."""
-    from tkopt.fused_ops import schema
-
-    op = schema("FusedGemm")
-    torch.manual_seed(3)
-    for dtype, trans_b in ((torch.float16, 1), (torch.bfloat16, 0)):
-        a = torch.randn(3, 77, 256, device="cuda", dtype=dtype)
-        w = torch.randn(*((384, 256) if trans_b else (256, 384)), device="cuda", dtype=dtype) / 16
-        bias = torch.randn(384, device="cuda", dtype=dtype)
-        attrs = op.full_attrs({"trans_b": trans_b, "activation": act})
-        got = op.kernel([a, w, bias, None], attrs)[0]
-        want = op.reference([a.float(), w.float(), bias.float(), None], attrs)[0]
-        assert got.shape == (3, 77, 384) and got.dtype == dtype and _rel(got, want) < 1e-2

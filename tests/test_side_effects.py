@@ -56,9 +56,8 @@ def test_compile_does_not_rerun_an_unguarded_script(tmp_path: Path) -> None:
         from torch import nn
         import tkopt
 
-        # three GEMMs of one shape and epilogue: one tuning key, so one set of candidate compiles (erf GELU: a
-        # ReLU epilogue would run as cuBLASLt's, with no TileLang kernel to build)
-        model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(1024, 1024), nn.GELU())]).half().cuda().eval()
+        # three GEMMs of one shape and epilogue: one tuning key, so one set of candidate compiles
+        model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(1024, 1024), nn.ReLU())]).half().cuda().eval()
         x = torch.randn(4, 128, 1024, device="cuda", dtype=torch.half)
         compiled = tkopt.compile(model, (x,), select="all")
         assert compiled.tkopt_report.fusions["gemm"] == 3

@@ -2,13 +2,6 @@
 
 B is (K, N), or (N, K) with trans_b=1 (a linear weight); A may have leading batch dims. The kernel
 keeps K and N static and the rows dynamic, so one compiled kernel serves every batch and sequence.
-
-On a GPU, 16-bit, a bias with ReLU or tanh-GELU and nothing else after it (GPT-2's MLP, ReLU MLPs) runs as
-cuBLASLt's fused bias + activation epilogue (torch._addmm_activation, whose definition is exactly this
-epilogue) instead of the TileLang kernel: the same GEMM cuBLAS runs unfused, with the activation's separate
-pass over the output (a third of the MLP's first GEMM at GPT-2's shapes) gone. The TileLang kernel is at
-0.8-0.9x cuBLAS at these shapes, so it would lose the race that this wins; the ONNX Runtime op library keeps
-the TileLang program.
 """
 
 from __future__ import annotations
@@ -54,31 +47,11 @@ def reference(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tenso
     return [ref.gemm_ref(a, b, bias, activation(attrs), residual, b_transposed=bool(attrs["trans_b"]))]
 
 
-VENDOR_ACTIVATIONS = {"relu": False, "gelu_tanh": True}  # cuBLASLt epilogue -> torch._addmm_activation's use_gelu
-
-
-def vendor_epilogue(arch: str, a: Tensor, b: Tensor, bias: Tensor | None, residual: Tensor | None,
-                    act: str | None) -> bool:
-    """Whether this call runs as cuBLASLt's bias + activation epilogue (see the module docstring): on a GPU
-    arch, 16-bit, a 1-D bias, ReLU or tanh-GELU, no residual, a 2-D weight."""
-    import torch
-
-    return (arch != "cpu" and a.dtype in (torch.float16, torch.bfloat16) and b.dim() == 2 and residual is None
-            and bias is not None and bias.dim() == 1 and act in VENDOR_ACTIVATIONS)
-
-
 def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
-    import torch
-
     from tkopt import kernels
 
     a, b, bias, residual = ins
-    act, trans_b = activation(attrs), bool(attrs["trans_b"])
-    if vendor_epilogue("cuda" if a.is_cuda else "cpu", a, b, bias, residual, act):
-        y = torch._addmm_activation(bias, a.reshape(-1, a.shape[-1]), b.t() if trans_b else b,
-                                    use_gelu=VENDOR_ACTIVATIONS[act])  # fmt: skip
-        return [y.view(*a.shape[:-1], y.shape[-1])]
-    return [kernels.gemm(a, b, bias, act, residual, b_transposed=trans_b)]
+    return [kernels.gemm(a, b, bias, activation(attrs), residual, b_transposed=bool(attrs["trans_b"]))]
 
 
 def planned(kind: str, a: Tensor, b: Tensor, has_bias: bool, has_residual: bool, act: str | None, trans_b: bool,
@@ -96,8 +69,6 @@ def planned(kind: str, a: Tensor, b: Tensor, has_bias: bool, has_residual: bool,
 
 def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) -> list[Compile]:
     a, b, bias, residual = meta_tensors(specs)
-    if vendor_epilogue(build.arch, a, b, bias, residual, activation(attrs)):
-        return []
     return planned("gemm", a, b, bias is not None, residual is not None, activation(attrs), bool(attrs["trans_b"]),
                    build)
 
