@@ -156,6 +156,50 @@ def test_only_broadcast_trig_tables_get_a_barrier() -> None:
     assert _barriers(TwoLayerRotary(), *_rotary_inputs(5)) == 2
 
 
+class WrappedRotaryTable(nn.Module):
+    """HF's rotary embedding as it runs on CUDA: a `@torch.no_grad()` forward with its table computed in an
+    autocast-disabled region, scaled, then cast, which torch.export keeps as two nested higher-order ops."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(x.shape[2], device=x.device)[None].float()
+        with torch.autocast(device_type="cuda", enabled=False):
+            freqs = (self.inv_freq[None, :, None] @ pos[:, None, :]).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * 0.5, emb.sin() * 0.5
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+class WrappedRotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = WrappedRotaryTable()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        cos, sin = (t[:, None] for t in self.table(q))
+        for _ in range(2):
+            q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+        return q + k
+
+
+def test_tables_inside_higher_order_ops_get_the_barrier() -> None:
+    """HF's rotary table inside torch.export's wrap_with_set_grad_enabled and wrap_with_autocast ops: found by
+    following the ops' outputs back to cos/sin, realized where the graph broadcasts them (one barrier each),
+    and inductor then computes each in one kernel, equal to eager."""
+    model, args = WrappedRotary(), _rotary_inputs(5)
+    gm = torch.export.export(model, args).module()
+    hops = {n.target for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)}
+    assert torch.ops.higher_order.wrap_with_set_grad_enabled in hops, hops
+    assert _barriers(model, *args) == 2
+    compiled, code = run_and_get_code(compile_graph, gm, args)
+    assert (_kernels_computing(code[0], "cos"), _kernels_computing(code[0], "sin")) == (1, 1)
+    torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-5)
+
+
 class LearnedFrequencies(nn.Module):
     """A sinusoidal table from learned frequencies: autograd differentiates it."""
 

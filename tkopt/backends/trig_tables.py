@@ -9,12 +9,17 @@ honours (`prims.inductor_force_stride_order`, with the value's own strides: it r
 buffer) and eager computes as the identity makes inductor compute the table in one kernel.
 
 Only cos and sin: LayerNorm's rsqrt is broadcast too, and realizing it would split inductor's norm kernel.
+torch.export keeps HF's rotary in higher-order ops (its `@torch.no_grad()` forward and its autocast-disabled
+region: wrap_with_set_grad_enabled / wrap_with_autocast, each calling a submodule): a table is then the
+output of such an op, found by following the submodule's output back to its cos/sin, and realized where the
+graph broadcasts it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +45,7 @@ def realize_broadcast_tables(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
 
     graph = gm.graph
     recorded = _recorded_by_autograd(gm, example_inputs)
-    tables = [n for n in graph.nodes if _is_trig(n) and n not in recorded and _broadcast(n)]
+    tables = [n for n in graph.nodes if _computes_trig(gm, n) and n not in recorded and _broadcast(n)]
     for node in tables:
         _insert_barrier(graph, node)
     gm.recompile()
@@ -72,6 +77,46 @@ def _is_trig(node: fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in _TRIG_FUNCTIONS
     return node.op == "call_method" and node.target in _TRIG_METHODS
+
+
+def _computes_trig(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` is a cos/sin, or an output of a higher-order op whose submodule computes it from one
+    through ops that keep its size (a scale, a cast, another such op's output)."""
+    if _is_trig(node):
+        return True
+    if not _hop_output(gm, node):
+        return False
+    for _ in range(_HOPS):
+        if _is_trig(node):
+            return True
+        body = _hop_output(gm, node)
+        if body is not None:
+            gm, node = body
+            continue
+        same = [a for a in node.all_input_nodes if _shape(a) is not None and _shape(a) == _shape(node)]
+        if len(same) != 1:
+            return False
+        node = same[0]
+    return False
+
+
+def _hop_output(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.GraphModule, fx.Node] | None:
+    """(the submodule, its output node) that `node` = getitem(a higher-order op calling a submodule, i) reads;
+    None for any other node."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    hop, index = node.args
+    if not isinstance(hop, fx.Node) or hop.op != "call_function" or not isinstance(index, int):
+        return None
+    attrs = (functools.reduce(getattr, a.target.split("."), gm) for a in hop.args
+             if isinstance(a, fx.Node) and a.op == "get_attr")
+    bodies = [m for m in attrs if isinstance(m, fx.GraphModule)]
+    if len(bodies) != 1:
+        return None
+    body = bodies[0]
+    outputs = body.graph.output_node().args[0]
+    out = outputs[index] if isinstance(outputs, (tuple, list)) and index < len(outputs) else None
+    return (body, out) if isinstance(out, fx.Node) else None
 
 
 def _value(node: fx.Node) -> torch.Tensor | None:
