@@ -213,7 +213,7 @@ def gpu_program(
 ):
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
-    Parameters (Q, K, V[, Mask], Output); batch, seq_q, seq_kv are dynamic. `layouts` gives the layout
+    Parameters (Q, K, V[, Mask[, Kept]], Output); batch, seq_q, seq_kv are dynamic. `layouts` gives the layout
     of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask);
     `mask_bcast` marks which of the mask's (B, Hq, Sq, Skv) dims have size 1. `scale` defaults to
     1/sqrt(dim); `mask_scale`, `mask_fill`, `guard` and `mask_keeps` as `reference.flash_attention_ref`.
