@@ -7,7 +7,9 @@ nn.TransformerEncoderLayer, built from configs with random weights, fp16) and ea
 - tkopt.compile, and torch.compile(backend="tkopt"):
 
 the first call's wall time (compile), then the median latency of CUDA-event-timed calls after a warm-up,
-with two input sets alternating (so no variant is timed on one cached input). Each tkopt variant's ratio is
+with two input sets alternating (so no variant is timed on one cached input); then, once every variant of
+the model is compiled, each is timed again in --rounds interleaved rounds (its median: the median of its
+rounds), so that no variant gains or loses by its place in the run. Each tkopt variant's ratio is
 against the best anchor of the same run. With --profile, torch.profiler splits each variant's GPU time by
 kernel family (GEMM, attention, norm, softmax, elementwise, copy, other) and prints it against the floor:
 the model's FLOPs (counted by torch's FlopCounterMode) at the matrix rate measured in the same run, and its
@@ -250,6 +252,7 @@ def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dic
     half = [m.cast_inputs() for _ in range(2)]
     inputs, alt = half
     row: dict[str, Any] = {"model": m.name, "variants": {}}
+    timed: dict[str, Callable[[], Any]] = {}  # variant -> one call, alternating the two input sets
     with torch.no_grad():
         row["floor"] = floor_ms(model, inputs, ceil)
         want = model(*inputs).float()
@@ -265,8 +268,9 @@ def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dic
                 err = (got.float() - want).abs().max().item()
                 v["max_rel_err"] = err / max(want.abs().max().item(), 1e-30)
                 sets = itertools.cycle((inputs, alt))
-                v["median_ms"] = cuda_median_ms(lambda fn=fn, sets=sets: fn(*next(sets)), args.runs, args.warmup,
-                                                args.warm_s)
+                call = lambda fn=fn, sets=sets: fn(*next(sets))  # noqa: E731
+                v["median_ms"] = cuda_median_ms(call, args.runs, args.warmup, args.warm_s)
+                timed[name] = call
                 if args.profile:
                     v["profile"] = profile(lambda fn=fn: fn(*inputs))
                 if name in TKOPT:
@@ -274,11 +278,30 @@ def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dic
             except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
                 v["error"] = f"{type(e).__name__}: {e}"
                 v["traceback"] = traceback.format_exc(limit=10)
-            torch.cuda.empty_cache()
             print(f"  {m.name}/{name}: {_cell(v)}", flush=True)
+        interleaved(timed, row["variants"], args)
     best = [row["variants"][a]["median_ms"] for a in ANCHORS if "median_ms" in row["variants"].get(a, {})]
     row["best_anchor_ms"] = min(best) if best else None
     return row
+
+
+def interleaved(timed: dict[str, Callable[[], Any]], variants: dict[str, dict[str, Any]],
+                args: argparse.Namespace) -> None:
+    """Each variant timed again in `args.rounds` rounds, every variant once per round, the order rotated each
+    round; its median_ms becomes the median of its rounds' medians (the first, sequential, timing is kept as
+    sequential_ms). Timed one after another, a variant's number depends on its place: the card's clocks and
+    temperature drift over a run, and tkopt's variants always came last."""
+    if args.rounds < 1 or len(timed) < 2:
+        return
+    names = list(timed)
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rounds[name].append(cuda_median_ms(timed[name], args.runs, warmup=3, warm_s=min(args.warm_s, 0.3)))
+    for name in names:
+        v = variants[name]
+        v["sequential_ms"], v["round_ms"] = v["median_ms"], rounds[name]
+        v["median_ms"] = statistics.median(rounds[name])
 
 
 def _report_summary(fn: Any) -> Any:
@@ -304,7 +327,8 @@ def _cell(v: dict[str, Any]) -> str:
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], variants: list[str]) -> str:
     lines = ["# Whole models: tkopt against eager and torch.compile (same run)", "",
              *(f"- {k}: {v}" for k, v in meta.items()), "",
-             "Latency: median of CUDA-event-timed calls (ms); tkopt ratios are best anchor / tkopt (higher is "
+             "Latency: median of CUDA-event-timed calls (ms), the median over interleaved rounds where the run "
+             "had them (sequential_ms and round_ms in the JSON); tkopt ratios are best anchor / tkopt (higher is "
              "better). Floor: max(FLOPs at the measured matrix rate, weights once at the measured copy bandwidth).", "",
              "| model | floor ms | " + " | ".join(variants) + " | " + " | ".join(f"{t} vs best" for t in TKOPT
                                                                        if t in variants) + " |",
@@ -363,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--warm-s", type=float, default=2.0, help="seconds of calls before timing each variant")
     p.add_argument("--profile", action="store_true", help="split each variant's GPU time by kernel family")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="then time every variant again in this many interleaved rounds (0: only one after another)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 smoke run of the script only")
     args = p.parse_args(argv)
     global DEVICE, DTYPE
