@@ -1,0 +1,45 @@
+"""benchmarks/whole_models.py's interleaved rounds, with stand-in variants on the CPU: every variant timed once per
+round, the order rotated, its median over the rounds reported. The numbers are the H200's business."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "whole_models.py"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("whole_models_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    module.DEVICE = "cpu"  # perf_counter timing, as the script's --device cpu smoke run
+    return module
+
+
+def test_interleaved_rounds_rotate_the_order_and_report_the_median_of_rounds() -> None:
+    wm = _bench_module()
+    calls: list[str] = []
+    timed = {name: (lambda name=name: calls.append(name)) for name in ("eager", "inductor", "tkopt")}
+    variants = {name: {"median_ms": 9.0} for name in timed}
+    wm.interleaved(timed, variants, argparse.Namespace(rounds=3, runs=2, warm_s=0.0))
+    per_turn = 3 + 2  # warm-up calls, then timed ones
+    turns = calls[::per_turn]
+    assert len(calls) == 9 * per_turn and calls == [n for n in turns for _ in range(per_turn)]
+    assert turns == ["eager", "inductor", "tkopt", "inductor", "tkopt", "eager", "tkopt", "eager", "inductor"]
+    for v in variants.values():
+        assert v["sequential_ms"] == 9.0 and len(v["round_ms"]) == 3
+        assert v["median_ms"] == statistics.median(v["round_ms"])
+
+
+def test_one_variant_or_no_rounds_keeps_the_sequential_timing() -> None:
+    wm = _bench_module()
+    variants = {"eager": {"median_ms": 9.0}, "tkopt": {"median_ms": 8.0}}
+    wm.interleaved({"eager": lambda: None}, variants, argparse.Namespace(rounds=3, runs=2, warm_s=0.0))
+    wm.interleaved({"eager": lambda: None, "tkopt": lambda: None}, variants,
+                   argparse.Namespace(rounds=0, runs=2, warm_s=0.0))
+    assert variants == {"eager": {"median_ms": 9.0}, "tkopt": {"median_ms": 8.0}}
