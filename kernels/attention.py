@@ -323,17 +323,27 @@ def gpu_program(
                 kmask[j] = m
 
     @T.macro
-    def load_key_mask(Mask, kmask, k, bz):
-        """A key-only mask's values for key block k, read once per block into `kmask` (a bool mask as its keep
-        flag), not once per score, issued before the wait for QK^T so that the loads overlap the GEMM. Only
-        the last block clamps its keys to seq_kv: unclamped, a thread's 32 loads share one address register
-        (with the clamp, each computed its own 64-bit address: more instructions than the softmax at D=64).
-        The pipelined schedule only: TileLang 0.1.15 cannot lower this fragment in the plain schedule's loop
-        (the error mask_scores names), which reads the mask per score."""
+    def read_block_keys(Mask, kmask, k, bz):
+        """load_key_mask's reads of key block k: only the last block clamps its keys to seq_kv."""
         if (k + 1) * block_N <= seq_kv:
             read_keys(Mask, kmask, k, bz, clamp=False)
         else:
             read_keys(Mask, kmask, k, bz, clamp=True)
+
+    @T.macro
+    def load_key_mask(Mask, kmask, all_kept, k, bz):
+        """A key-only mask's values for key block k, read once per block into `kmask` (a bool mask as its keep
+        flag), not once per score, issued before the wait for QK^T so that the loads overlap the GEMM; nothing
+        for a row that keeps every key (`all_kept`, with kept_rows). Only the last block clamps its keys to
+        seq_kv: unclamped, a thread's 32 loads share one address register (with the clamp, each computed its
+        own 64-bit address: more instructions than the softmax at D=64). The pipelined schedule only:
+        TileLang 0.1.15 cannot lower this fragment in the plain schedule's loop (the error mask_scores names),
+        which reads the mask per score."""
+        if kept_rows:
+            if not all_kept:
+                read_block_keys(Mask, kmask, k, bz)
+        else:
+            read_block_keys(Mask, kmask, k, bz)
 
     @T.macro
     def apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide: bool, clamp: bool = True, kept: bool = False):
@@ -359,6 +369,17 @@ def gpu_program(
             if hide:
                 s = T.if_then_else(_visible(bx * block_M + i, k * block_N + j, seq_kv, causal), s, neg_inf)
             acc_s[i, j] = s
+
+    @T.macro
+    def apply_row_mask(Mask, kmask, all_kept, acc_s, k, bx, by, bz, hide: bool):
+        """apply_mask, with its neutral value for a row that keeps every key (`all_kept`, with kept_rows)."""
+        if kept_rows:
+            if all_kept:
+                apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=hide, kept=True)
+            else:
+                apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=hide)
+        else:
+            apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=hide)
 
     @T.macro
     def softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum):
@@ -416,13 +437,7 @@ def gpu_program(
             T.copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared)
             if has_mask:
                 T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if kept_rows:
-                    if all_kept:
-                        apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True, kept=True)
-                    else:
-                        apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True)
-                else:
-                    apply_mask(Mask, None, acc_s, k, bx, by, bz, hide=True)
+                apply_row_mask(Mask, None, all_kept, acc_s, k, bx, by, bz, hide=True)
             else:
                 init_scores(acc_s, k, bx)
                 T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -435,17 +450,12 @@ def gpu_program(
     @T.macro
     def scores_of(acc_s, Mask, kmask, all_kept, k, bx, by, bz):
         """The pipelined schedule's masked scores. A mask read per score skips the index clamps on the blocks
-        inside both lengths (as load_key_mask does)."""
+        inside both lengths (as read_block_keys does)."""
         if has_mask:
-            if kept_rows:
-                if all_kept:
-                    apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False, kept=True)
-                else:
-                    apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False)
-            elif kmask is None and ((bx + 1) * block_M <= seq_q) & ((k + 1) * block_N <= seq_kv):
+            if kmask is None and ((bx + 1) * block_M <= seq_q) & ((k + 1) * block_N <= seq_kv):
                 apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False, clamp=False)
             else:
-                apply_mask(Mask, kmask, acc_s, k, bx, by, bz, hide=False)
+                apply_row_mask(Mask, kmask, all_kept, acc_s, k, bx, by, bz, hide=False)
         mask_scores(acc_s, k, bx)
 
     @T.macro
@@ -480,11 +490,8 @@ def gpu_program(
             if t == 0:
                 T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, clear_accum=True,
                              policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
-                if kept_rows:
-                    if not all_kept:
-                        load_key_mask(Mask, kmask, t, bz)
-                elif kmask is not None:
-                    load_key_mask(Mask, kmask, t, bz)
+                if kmask is not None:
+                    load_key_mask(Mask, kmask, all_kept, t, bz)
                 T.wait_wgmma(0)
                 scores_of(acc_s, Mask, kmask, all_kept, t, bx, by, bz)
                 softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
@@ -494,11 +501,8 @@ def gpu_program(
                              policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
                 rescale(acc_o, scores_scale)
                 T.wgmma_gemm(P_buf, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                if kept_rows:
-                    if not all_kept:
-                        load_key_mask(Mask, kmask, t, bz)
-                elif kmask is not None:
-                    load_key_mask(Mask, kmask, t, bz)
+                if kmask is not None:
+                    load_key_mask(Mask, kmask, all_kept, t, bz)
                 T.wait_wgmma(1)
                 scores_of(acc_s, Mask, kmask, all_kept, t, bx, by, bz)
                 softmax(acc_s, scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
