@@ -82,10 +82,10 @@ def _is_trig(node: fx.Node) -> bool:
 def _computes_trig(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether `node` is a cos/sin, or an output of a higher-order op whose submodule computes it from one
     through ops that keep its size (a scale, a cast, another such op's output)."""
-    if _is_trig(node):
-        return True
-    if not _hop_output(gm, node):
-        return False
+    body = _hop_output(gm, node)
+    if body is None:
+        return _is_trig(node)
+    gm, node = body
     for _ in range(_HOPS):
         if _is_trig(node):
             return True
