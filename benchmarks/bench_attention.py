@@ -186,7 +186,8 @@ def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
         fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=full, **sdpa)}
         if causal:
             fns["sdpa causal"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, **sdpa)
-    for cfg in A.tune_candidates("sm90", d, masked=mk is not None):
+    cands = A.tune_candidates("sm90", d, masked=mk is not None)
+    for cfg in cands:
         sched = "pipelined" if cfg.get("pipelined") else "plain"
         label = f"ours {cfg['block_M']}x{cfg['block_N']} t{cfg['threads']} {sched}"
         fns[label] = lambda cfg=cfg: A.flash_attention(q, k, v, causal=causal, mask=mask, layout=lay, arch="sm90",
@@ -204,9 +205,8 @@ def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
     row[first + " (eager)"] = bench(fns[first])
     if mask is not None:
         padded = short_mask(mk, b, s, padded=True)
-        cfg = A.tune_candidates("sm90", d, masked=True)[0]  # the one `first` names
         graph, _ = capture(lambda: A.flash_attention(q, k, v, causal=causal, mask=padded, layout=lay, arch="sm90",
-                                                     config=cfg), q.device)  # fmt: skip
+                                                     config=cands[0]), q.device)  # fmt: skip
         row[first + " padded (graph)"] = bench(graph.replay)
     return row
 
