@@ -43,3 +43,25 @@ def test_one_variant_or_no_rounds_keeps_the_sequential_timing() -> None:
     wm.interleaved({"eager": lambda: None, "tkopt": lambda: None}, variants,
                    argparse.Namespace(rounds=0, runs=2, warm_s=0.0))
     assert variants == {"eager": {"median_ms": 9.0}, "tkopt": {"median_ms": 8.0}}
+
+
+def test_a_model_served_at_another_size_is_called_at_its_compile_size_first_then_timed_at_the_served_size() -> None:
+    import torch
+    from torch import nn
+
+    wm = _bench_module()
+    wm.DTYPE = torch.float32  # as the script's --device cpu smoke run
+    seen: list[tuple[int, ...]] = []
+
+    class Recorder(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(tuple(x.shape))
+            return super().forward(x)
+
+    model = wm.Model("served", lambda: Recorder(4, 4), lambda: (torch.randn(1, 8, 4),),
+                     compile_inputs=lambda: (torch.randn(2, 3, 4),))
+    args = argparse.Namespace(runs=2, warmup=1, warm_s=0.0, profile=False, rounds=0)
+    row = wm.run_model(model, ["eager"], args, {"tflops": 1.0, "copy_tb_s": 1.0})
+    assert "error" not in row["variants"]["eager"], row["variants"]["eager"]
+    first = seen.index((2, 3, 4))
+    assert seen[first + 1] == (1, 8, 4) and set(seen[first + 1:]) == {(1, 8, 4)}
