@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tkopt.fused_ops import schema
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
+
+if TYPE_CHECKING:
+    from .patterns import GraphIndex
 
 
 @dataclass
@@ -47,11 +50,14 @@ class FusionError(ValueError):
     """Raised by `fuse` when the node set cannot legally become one node; the message is the reason."""
 
 
-def legality_problem(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Value]) -> str | None:
+def legality_problem(
+    graph: Graph, nodes: Sequence[Node], outputs: Sequence[Value], index: GraphIndex | None = None
+) -> str | None:
     """Why `nodes` cannot become one node producing `outputs`, or None if it can.
 
     Two rules: no dataflow path may leave the set and re-enter it (the fused node would depend on
     its own output), and every value produced inside and read outside must be one of `outputs`.
+    Users are read from `index` when given (it must be current for `graph`), else from the graph.
     """
     inside = {id(n) for n in nodes}
     produced = {id(v) for n in nodes for v in n.outputs}
@@ -59,7 +65,7 @@ def legality_problem(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Valu
     missing = [v for v in outputs if id(v) not in produced]
     if missing:
         return f"outputs {[v.name for v in missing]} are not produced by the matched nodes"
-    users = graph.user_map()
+    users = graph.user_map() if index is None else index.user_map()
     for n in nodes:
         for v in n.outputs:
             outside = [u for u in users.get(id(v), []) if id(u) not in inside]
@@ -97,6 +103,7 @@ def fuse(
     inputs: Sequence[Value | None],
     outputs: Sequence[Value],
     attrs: dict[str, Any],
+    index: GraphIndex | None = None,
 ) -> Node:
     """Replace `nodes` by one fused node `op` reading `inputs` and producing `outputs`.
 
@@ -104,11 +111,15 @@ def fuse(
     An optional output that is unused is passed as None by the caller and dropped here.
     Raises FusionError (with the reason) if the set cannot be fused: dtypes the op does not declare,
     or a dataflow problem (`legality_problem`). Every fusion goes through here, so these two hold for all.
+    With `index` (current for `graph`: nothing else changed since it was refreshed or last passed here), the
+    legality check reads its users and the index is kept current (`place`), so the caller need not refresh it.
     """
     s = schema(op)
     if len(inputs) != len(s.inputs):
         raise ValueError(f"{op} takes {len(s.inputs)} inputs {s.inputs}, got {len(inputs)}")
-    problem = s.dtype_problem(inputs, outputs) or legality_problem(graph, nodes, [v for v in outputs if v is not None])
+    problem = s.dtype_problem(inputs, outputs) or legality_problem(
+        graph, nodes, [v for v in outputs if v is not None], index
+    )
     if problem:
         raise FusionError(problem)
     for name, v in zip(s.inputs, inputs, strict=True):
@@ -125,11 +136,22 @@ def fuse(
         op=op, inputs=list(inputs), outputs=outs, attrs=s.full_attrs(attrs),
         name=graph.fresh_name(op), domain=FUSED_DOMAIN, replaced=flatten_replaced(ordered),
     )
-    index = graph.nodes.index(ordered[-1])
-    graph.add_node(fused, index + 1)
-    graph.remove_nodes(ordered)
-    graph.toposort()
+    place(graph, ordered, fused, index)
     return fused
+
+
+def place(graph: Graph, ordered: Sequence[Node], new: Node, index: GraphIndex | None = None) -> None:
+    """Put `new` where the last of `ordered` (in graph order) stood, drop them and re-sort (a reader of one of
+    their outputs may sit between them). `index`, current before, is updated in place where no other node
+    moved: rebuilding it after every fusion was most of the passes' time on whole models."""
+    graph.add_node(new, graph.nodes.index(ordered[-1]) + 1)
+    graph.remove_nodes(ordered)
+    moved = graph.toposort()
+    if index is not None:
+        if moved:
+            index.refresh()
+        else:
+            index.replaced(ordered, new)
 
 
 def unfuse(graph: Graph, nodes: Iterable[Node]) -> None:

@@ -273,12 +273,11 @@ def gated_mlp(graph: Graph, result: PassResult) -> None:
             continue
         try:
             fuse(graph, nodes, "FusedGatedMLP", inputs, [mul.outputs[0]],
-                 {"trans_b": gate.trans_b, "activation": name, "packed": int(m is None)})
+                 {"trans_b": gate.trans_b, "activation": name, "packed": int(m is None)}, ix)
         except FusionError as e:
             result.refuse(mul, f"gated MLP not fused: {e}")
             continue
         result.fused += 1
-        ix.refresh()
 
 
 @register("gemm", fusion=True)
@@ -294,9 +293,8 @@ def gemm(graph: Graph, result: PassResult) -> None:
         _take_residual(ix, base)
         attrs = {"trans_b": base.trans_b, "activation": act}
         try:
-            fuse(graph, base.nodes, "FusedGemm", [base.a, base.b, base.bias, base.residual], [base.out], attrs)
+            fuse(graph, base.nodes, "FusedGemm", [base.a, base.b, base.bias, base.residual], [base.out], attrs, ix)
         except FusionError as e:
             result.refuse(node, f"FusedGemm not formed: {e}")
             continue
         result.fused += 1
-        ix.refresh()

@@ -85,12 +85,12 @@ def _fuse_norm(graph: Graph, ix: ShapedIndex, norm: Node, result: PassResult) ->
         used_later = ix.is_output(s) or any(u is not norm for u in ix.users(s))
         try:
             fuse(graph, [add, norm], "FusedAddNorm", [add.inputs[0], add.inputs[1], weight, bias],
-                 [norm.outputs[0], s if used_later else None], attrs)
+                 [norm.outputs[0], s if used_later else None], attrs, ix)
             return True
         except FusionError as e:
             result.refuse(norm, f"residual Add {add.name} not fused: {e}")
     try:
-        fuse(graph, [norm], "FusedAddNorm", [x, None, weight, bias], [norm.outputs[0]], attrs)
+        fuse(graph, [norm], "FusedAddNorm", [x, None, weight, bias], [norm.outputs[0]], attrs, ix)
     except FusionError as e:
         result.refuse(norm, f"{norm.op} not fused: {e}")
         return False
@@ -104,4 +104,3 @@ def add_norm(graph: Graph, result: PassResult) -> None:
     for node in [n for n in graph.nodes if is_op(n, tuple(KINDS))]:
         if _fuse_norm(graph, ix, node, result):
             result.fused += 1
-            ix.refresh()

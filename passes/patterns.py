@@ -16,7 +16,7 @@ import numpy as np
 
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
 
-from .base import FusionError, flatten_replaced, legality_problem
+from .base import FusionError, flatten_replaced, legality_problem, place
 
 # Ops that only pass a value through (Cast is one when it casts to the value's own dtype).
 PASS_THROUGH = ("Identity", "Cast")
@@ -34,6 +34,32 @@ class GraphIndex:
         self._prod = self.graph.producers()
         self._users = self.graph.user_map()
         self._outs = {id(v) for v in self.graph.outputs}
+
+    def replaced(self, old: Sequence[Node], new: Node) -> None:
+        """Update producers and users for `new` having taken the place of `old` with no other change (what
+        `place` does when no node moved), touching only the values they read and write. Users stay in
+        graph order, as `refresh` lists them."""
+        gone = {id(n) for n in old}
+        for n in old:
+            for o in n.outputs:
+                self._prod.pop(id(o), None)
+        for o in new.outputs:
+            self._prod[id(o)] = new
+        position = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        read = {id(v): v for n in (*old, new) for v in n.inputs if v is not None}
+        for key, value in read.items():
+            users = [u for u in self._users.get(key, ()) if id(u) not in gone]
+            if any(v is value for v in new.inputs):
+                users.append(new)
+                users.sort(key=lambda u: position[id(u)])
+            if users:
+                self._users[key] = users
+            else:
+                self._users.pop(key, None)
+
+    def user_map(self) -> dict[int, list[Node]]:
+        """id(value) -> consuming nodes, as `Graph.user_map` gives them (the index's own map: do not mutate)."""
+        return self._users
 
     def producer(self, value: Value | None, op: str | Iterable[str] | None = None) -> Node | None:
         """The node producing `value`, if there is one and (when `op` is given) it is that op."""
@@ -242,23 +268,23 @@ def make_standin(
     inputs: Sequence[Value | None],
     outputs: Sequence[Value],
     attrs: dict[str, Any],
+    index: GraphIndex | None = None,
 ) -> Node:
     """Replace `nodes` by one canonical node `op` standing for them (e.g. Gelu for its erf form).
 
     The stand-in has `replaced` (the original nodes) and no origin and no domain: if no fusion
     consumes it, the finalize pass puts the original nodes back. Raises FusionError (the reason)
-    when the nodes cannot legally become one node (an intermediate is read elsewhere, ...).
+    when the nodes cannot legally become one node (an intermediate is read elsewhere, ...). `index`, when
+    given, is used and kept current as by `fuse`.
     """
-    problem = legality_problem(graph, nodes, outputs)
+    problem = legality_problem(graph, nodes, outputs, index)
     if problem:
         raise FusionError(problem)
     members = {id(n) for n in nodes}
     ordered = [n for n in graph.nodes if id(n) in members]
     node = Node(op=op, inputs=list(inputs), outputs=list(outputs), attrs=dict(attrs),
                 name=graph.fresh_name(op), replaced=flatten_replaced(ordered))
-    graph.add_node(node, graph.nodes.index(ordered[-1]) + 1)
-    graph.remove_nodes(ordered)
-    graph.toposort()
+    place(graph, ordered, node, index)
     return node
 
 

@@ -109,11 +109,11 @@ def _one_plus(ix: GraphIndex, value: Value) -> Node | None:
 
 
 def _standin(
-    graph: Graph, result: PassResult, anchor: Node, nodes: list[Node], op: str,
+    ix: GraphIndex, result: PassResult, anchor: Node, nodes: list[Node], op: str,
     inputs: list[Value | None], output: Value, attrs: dict,
 ) -> bool:
     try:
-        make_standin(graph, nodes, op, inputs, [output], attrs)
+        make_standin(ix.graph, nodes, op, inputs, [output], attrs, ix)
     except FusionError as e:
         result.refuse(anchor, f"{op} pattern matched but cannot be replaced: {e}")
         return False
@@ -122,12 +122,12 @@ def _standin(
 
 
 def _run(graph: Graph, result: PassResult, anchors: tuple[str, ...], rule: Callable) -> None:
-    """Apply `rule(graph, ix, node, result) -> bool` to each anchor node still in the graph."""
+    """Apply `rule(graph, ix, node, result) -> bool` to each anchor node still in the graph. A rule changes the
+    graph only through `_standin`, which keeps `ix` current."""
     ix = GraphIndex(graph)
     for node in list(graph.nodes):
         if node.op in anchors and not node.domain and not node.replaced and any(n is node for n in graph.nodes):
-            if rule(graph, ix, node, result):
-                ix.refresh()
+            rule(graph, ix, node, result)
 
 
 def _gelu_erf(graph: Graph, ix: GraphIndex, erf: Node, result: PassResult) -> bool:
@@ -151,7 +151,7 @@ def _gelu_erf(graph: Graph, ix: GraphIndex, erf: Node, result: PassResult) -> bo
         result.refuse(erf, f"GELU (erf form) near match: {problem}")
         return False
     nodes = [*scaled.nodes, erf, add, *p.nodes]
-    return _standin(graph, result, erf, nodes, "Gelu", [x], out, {"approximate": "none"})
+    return _standin(ix, result, erf, nodes, "Gelu", [x], out, {"approximate": "none"})
 
 
 def _cube_plus_x(ix: GraphIndex, inner: Value) -> tuple[Value, Product, Node] | None:
@@ -194,7 +194,7 @@ def _gelu_tanh(graph: Graph, ix: GraphIndex, tanh: Node, result: PassResult) -> 
         result.refuse(tanh, f"GELU (tanh form) near match: {problem}")
         return False
     nodes = [*cube.nodes, inner_add, *scaled.nodes, tanh, add, *p.nodes]
-    return _standin(graph, result, tanh, nodes, "Gelu", [x], out, {"approximate": "tanh"})
+    return _standin(ix, result, tanh, nodes, "Gelu", [x], out, {"approximate": "tanh"})
 
 
 @register("recognize_gelu")
@@ -209,7 +209,7 @@ def _silu(graph: Graph, ix: GraphIndex, sig: Node, result: PassResult) -> bool:
     mul = ix.sole_user(sig.outputs[0], "Mul")
     if x is None or mul is None or other_input(mul, sig.outputs[0]) is not x:
         return False
-    return _standin(graph, result, sig, [sig, mul], "Silu", [x], mul.outputs[0], {})
+    return _standin(ix, result, sig, [sig, mul], "Silu", [x], mul.outputs[0], {})
 
 
 @register("recognize_silu")
@@ -335,7 +335,7 @@ def _layer_norm(graph: Graph, ix: GraphIndex, mean: Node, result: PassResult) ->
             nodes.append(shift[0])
             out, inputs[2] = shift[0].outputs[0], shift[1]
     attrs = {"axis": axis, "epsilon": den.eps}
-    return _standin(graph, result, mean, nodes, "LayerNormalization", inputs, out, attrs)
+    return _standin(ix, result, mean, nodes, "LayerNormalization", inputs, out, attrs)
 
 
 @register("recognize_layer_norm")
@@ -381,7 +381,7 @@ def _rms_norm(graph: Graph, ix: GraphIndex, mean: Node, result: PassResult) -> b
             nodes.append(scale[0])
             out, weight = scale[0].outputs[0], scale[1]
     attrs = {"axis": axis, "epsilon": den.eps}
-    return _standin(graph, result, mean, nodes, "RMSNormalization", [x, weight], out, attrs)
+    return _standin(ix, result, mean, nodes, "RMSNormalization", [x, weight], out, attrs)
 
 
 @register("recognize_rms_norm")

@@ -397,8 +397,23 @@ def _reshape(src: Shape, target: list[object], allowzero: int) -> Shape | None:
         return None
     if None in out:
         known = sympy.Mul(*[d for d in out if d is not None])
-        out[out.index(None)] = sympy.simplify(sympy.Mul(*src) / known)
+        out[out.index(None)] = _simplified(sympy.Mul(*src) / known)
     return tuple(out)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=4096)
+def _simplified(expr: sympy.Expr) -> sympy.Expr:
+    """sympy.simplify, memoized, and skipped for a monomial (an integer times sizes to positive integer powers),
+    which it returns unchanged: a model asks for the same few reshape sizes once per layer (GPT-2: 200
+    calls), and simplify is slow (a process's first call ~0.2 s, later ones ~1 ms)."""
+    return expr if _monomial(expr) else sympy.simplify(expr)
+
+
+def _monomial(expr: sympy.Expr) -> bool:
+    def factor(f: sympy.Expr) -> bool:
+        return f.is_Integer or f.is_Symbol or (f.is_Pow and f.base.is_Symbol and f.exp.is_Integer and f.exp > 0)
+
+    return factor(expr) or (expr.is_Mul and all(factor(f) for f in expr.args))
 
 
 def _broadcast(shapes: Sequence[Shape]) -> Shape | None:

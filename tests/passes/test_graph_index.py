@@ -1,0 +1,98 @@
+"""A GraphIndex kept current through fusions (`place`) equals one rebuilt from the graph, users in graph order;
+legality read from it gives the graph's own answer; memoized reshape sizes are sympy.simplify's."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+
+from tkopt.ir import Graph, Node, Value
+from tkopt.models import blocks
+from tkopt.models.export import export_fx
+from tkopt.passes import patterns
+from tkopt.passes.base import FusionError, legality_problem
+from tkopt.passes.patterns import GraphIndex, make_standin
+from tkopt.passes.pipeline import run_passes
+from tkopt.passes.shapes import _simplified, size_symbol
+
+
+def _assert_current(ix: GraphIndex) -> None:
+    fresh = GraphIndex(ix.graph)
+    assert ix._prod == fresh._prod
+    assert {k: [u.name for u in us] for k, us in ix._users.items()} == {
+        k: [u.name for u in us] for k, us in fresh._users.items()
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2_block", "llama_block", "bert_layer"])
+def test_index_stays_current_through_every_fusion(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every in-place update the passes make on a real export leaves the index equal to a rebuilt one."""
+    from tkopt.frontends.fx import import_fx
+
+    real = GraphIndex.replaced
+    updates = []
+
+    def checked(self: GraphIndex, old: list[Node], new: Node) -> None:
+        real(self, old, new)
+        _assert_current(self)
+        updates.append(new.op)
+
+    monkeypatch.setattr(patterns.GraphIndex, "replaced", checked)
+    model, inputs = blocks.REFERENCE_MODELS[name]()
+    run_passes(import_fx(export_fx(model, inputs)))
+    assert {"FusedGemm", "FusedAddNorm"} <= set(updates)
+
+
+def _graph(order: str) -> tuple[Graph, dict[str, Node]]:
+    """c reads x; a = Relu(x) feeds b = Neg(a) and r = Exp(a); d reads x last. Nodes in `order`."""
+    x = Value("x")
+    va, vb, vr, vc, vd = (Value(f"v{k}") for k in "abrcd")
+    nodes = {
+        "c": Node("Exp", [x], [vc], name="c"),
+        "a": Node("Relu", [x], [va], name="a"),
+        "b": Node("Neg", [va, x], [vb], name="b"),
+        "r": Node("Exp", [va], [vr], name="r"),
+        "d": Node("Sigmoid", [x], [vd], name="d"),
+    }
+    g = Graph()
+    g.inputs = [x]
+    g.nodes = [nodes[k] for k in order]
+    g.outputs = [vb, vr, vc, vd]
+    return g, nodes
+
+
+@pytest.mark.parametrize("order", ["cabrd", "carbd"])
+def test_index_after_a_standin_in_place_and_after_a_sort(order: str) -> None:
+    """Merging a and b: with r after b nothing moves (in-place update); with r between them r must move
+    after the stand-in (the index is rebuilt). Either way x's readers stay in graph order."""
+    g, n = _graph(order)
+    ix = GraphIndex(g)
+    new = make_standin(g, [n["a"], n["b"]], "Gelu", [n["a"].inputs[0]], [n["a"].outputs[0], n["b"].outputs[0]],
+                       {}, ix)
+    assert [m.name for m in g.nodes] == ["c", new.name, "r", "d"]
+    _assert_current(ix)
+    assert [u.name for u in ix.users(g.inputs[0])] == ["c", new.name, "d"]
+    assert ix.producer(n["a"].outputs[0]) is new
+
+
+def test_legality_through_the_index_matches_the_graph() -> None:
+    """A refused merge (a's output is read by r outside the set) gives the same reason either way."""
+    g, n = _graph("cabrd")
+    ix = GraphIndex(g)
+    want = legality_problem(g, [n["a"], n["b"]], [n["b"].outputs[0]])
+    assert want == "intermediate va (from a) is also used by r"
+    assert legality_problem(g, [n["a"], n["b"]], [n["b"].outputs[0]], ix) == want
+    with pytest.raises(FusionError, match="also used by r"):
+        make_standin(g, [n["a"], n["b"]], "Gelu", [g.inputs[0]], [n["b"].outputs[0]], {}, ix)
+    _assert_current(ix)
+
+
+s, t = size_symbol("s"), size_symbol("t")
+
+
+@pytest.mark.parametrize("expr", [
+    sympy.Integer(12), s, 4 * s * t, s**2 * t,  # monomials: returned as they are
+    (2 * s + 2) / (s + 1), (s * t + s) / (t + 1), s / 2, (s - t) / (t - s),  # the rest: simplified
+])
+def test_simplified_is_sympy_simplify(expr: sympy.Expr) -> None:
+    assert _simplified(expr) == sympy.simplify(expr)
