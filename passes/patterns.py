@@ -3,7 +3,8 @@
 Passes match by walking producers and users from an anchor node (as onnxscript's rewriter does),
 so these helpers answer the questions a rule asks: "is this value made by a Mul?", "is it read only
 once?", "is that operand the constant 0.5 (within tolerance)?". `GraphIndex` caches producers and
-users so a pass over a large graph stays linear; call `refresh()` after each rewrite.
+users so a pass over a large graph stays linear: pass it to `fuse`/`make_standin`, which keep it current,
+or call `refresh()` after any other rewrite.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ PASS_THROUGH = ("Identity", "Cast")
 
 
 class GraphIndex:
-    """Producers and users of every value of `graph`, computed once (refresh after mutating)."""
+    """Producers and users of every value of `graph`, computed once; `fuse`/`make_standin` given the index keep
+    it current, any other change to the graph needs `refresh()`."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
@@ -34,11 +36,14 @@ class GraphIndex:
         self._prod = self.graph.producers()
         self._users = self.graph.user_map()
         self._outs = {id(v) for v in self.graph.outputs}
+        self.sorted = False  # the graph is known to be in topological order (set by `place`)
 
-    def replaced(self, old: Sequence[Node], new: Node) -> None:
+    def replaced(self, old: Sequence[Node], new: Node) -> bool:
         """Update producers and users for `new` having taken the place of `old` with no other change (what
-        `place` does when no node moved), touching only the values they read and write. Users stay in
-        graph order, as `refresh` lists them."""
+        `place` does), touching only the values they read and write; users stay in graph order, as `refresh`
+        lists them. Returns whether the graph is known to be still sorted: it was, and `new` comes after the
+        producers of what it reads and before the readers of what it makes (every other node kept its
+        relative order, and legality left no other reader of what `old` made)."""
         gone = {id(n) for n in old}
         for n in old:
             for o in n.outputs:
@@ -56,6 +61,13 @@ class GraphIndex:
                 self._users[key] = users
             else:
                 self._users.pop(key, None)
+        at = position[id(new)]
+        self.sorted = (
+            self.sorted
+            and all(position[id(p)] < at for v in new.inputs if v is not None and (p := self._prod.get(id(v))))
+            and all(position[id(u)] > at for o in new.outputs for u in self._users.get(id(o), ()))
+        )
+        return self.sorted
 
     def user_map(self) -> dict[int, list[Node]]:
         """id(value) -> consuming nodes, as `Graph.user_map` gives them (the index's own map: do not mutate)."""

@@ -32,15 +32,17 @@ def test_index_stays_current_through_every_fusion(name: str, monkeypatch: pytest
     real = GraphIndex.replaced
     updates = []
 
-    def checked(self: GraphIndex, old: list[Node], new: Node) -> None:
-        real(self, old, new)
+    def checked(self: GraphIndex, old: list[Node], new: Node) -> bool:
+        still_sorted = real(self, old, new)
         _assert_current(self)
-        updates.append(new.op)
+        assert not still_sorted or self.graph.is_sorted()
+        updates.append(still_sorted)
+        return still_sorted
 
     monkeypatch.setattr(patterns.GraphIndex, "replaced", checked)
     model, inputs = blocks.REFERENCE_MODELS[name]()
     run_passes(import_fx(export_fx(model, inputs)))
-    assert {"FusedGemm", "FusedAddNorm"} <= set(updates)
+    assert len(updates) >= 4 and any(updates)
 
 
 def _graph(order: str) -> tuple[Graph, dict[str, Node]]:
@@ -63,10 +65,11 @@ def _graph(order: str) -> tuple[Graph, dict[str, Node]]:
 
 @pytest.mark.parametrize("order", ["cabrd", "carbd"])
 def test_index_after_a_standin_in_place_and_after_a_sort(order: str) -> None:
-    """Merging a and b: with r after b nothing moves (in-place update); with r between them r must move
-    after the stand-in (the index is rebuilt). Either way x's readers stay in graph order."""
+    """Merging a and b in a graph known sorted: with r after b the order still holds (no sort); with r between
+    them r must move after the stand-in (sorted, the index rebuilt). Either way x's readers stay in graph order."""
     g, n = _graph(order)
     ix = GraphIndex(g)
+    ix.sorted = g.is_sorted()
     new = make_standin(g, [n["a"], n["b"]], "Gelu", [n["a"].inputs[0]], [n["a"].outputs[0], n["b"].outputs[0]],
                        {}, ix)
     assert [m.name for m in g.nodes] == ["c", new.name, "r", "d"]
