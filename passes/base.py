@@ -72,9 +72,23 @@ def legality_problem(
             if (outside or graph.is_output(v)) and id(v) not in wanted:
                 who = outside[0].name if outside else "the graph output"
                 return f"intermediate {v.name} (from {n.name}) is also used by {who}"
-    # One walk forward from every node the match feeds: reaching the match again is a cycle.
+    # One walk forward from every node the match feeds: reaching the match again is a cycle. In a graph the
+    # index knows to be sorted, such a path runs through nodes placed before the match's last one, so the walk
+    # leaves out the rest (all that a match early in a whole model feeds).
+    order = graph.nodes
+    last = max(map(order.index, nodes)) if index is not None and index.sorted else None
+
+    def may_return(u: Node) -> bool:
+        if last is None:
+            return True
+        try:
+            order.index(u, 0, last)
+        except ValueError:
+            return False
+        return True
+
     exits = {id(u): u for n in nodes for v in n.outputs for u in users.get(id(v), []) if id(u) not in inside}
-    stack = [(u, u) for u in exits.values()]  # (node, where the path left the match)
+    stack = [(u, u) for u in exits.values() if may_return(u)]  # (node, where the path left the match)
     seen = set(exits)
     while stack:
         n, left_at = stack.pop()
@@ -84,7 +98,8 @@ def legality_problem(
                     return f"path leaves the match at {left_at.name} and re-enters it"
                 if id(u) not in seen:
                     seen.add(id(u))
-                    stack.append((u, left_at))
+                    if may_return(u):
+                        stack.append((u, left_at))
     return None
 
 

@@ -50,22 +50,22 @@ class GraphIndex:
                 self._prod.pop(id(o), None)
         for o in new.outputs:
             self._prod[id(o)] = new
-        position = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        position = self.graph.nodes.index  # of the few nodes asked about (a dict of all cost more)
         read = {id(v): v for n in (*old, new) for v in n.inputs if v is not None}
         for key, value in read.items():
             users = [u for u in self._users.get(key, ()) if id(u) not in gone]
             if any(v is value for v in new.inputs):
                 users.append(new)
-                users.sort(key=lambda u: position[id(u)])
+                users.sort(key=position)
             if users:
                 self._users[key] = users
             else:
                 self._users.pop(key, None)
-        at = position[id(new)]
+        at = position(new)
         self.sorted = (
             self.sorted
-            and all(position[id(p)] < at for v in new.inputs if v is not None and (p := self._prod.get(id(v))))
-            and all(position[id(u)] > at for o in new.outputs for u in self._users.get(id(o), ()))
+            and all(position(p) < at for v in new.inputs if v is not None and (p := self._prod.get(id(v))))
+            and all(position(u) > at for o in new.outputs for u in self._users.get(id(o), ()))
         )
         return self.sorted
 

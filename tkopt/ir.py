@@ -137,11 +137,13 @@ class Graph:
         """id(value) -> consuming nodes (a node appears once per value even if it reads it twice)."""
         out: dict[int, list[Node]] = {}
         for n in self.nodes:
-            seen: set[int] = set()
             for v in n.inputs:
-                if v is not None and id(v) not in seen:
-                    seen.add(id(v))
-                    out.setdefault(id(v), []).append(n)
+                if v is not None:
+                    users = out.get(id(v))
+                    if users is None:
+                        out[id(v)] = [n]
+                    elif users[-1] is not n:  # nodes come in order: a second read by n finds n last
+                        users.append(n)
         return out
 
     def is_output(self, value: Value) -> bool:

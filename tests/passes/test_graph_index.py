@@ -90,6 +90,22 @@ def test_legality_through_the_index_matches_the_graph() -> None:
     _assert_current(ix)
 
 
+def test_a_path_out_and_back_in_is_found_in_a_sorted_graph() -> None:
+    """a -> r -> b with r outside: merging a and b would read its own output. The walk, bounded by the
+    match's last node in a graph known sorted, still finds r."""
+    x = Value("x")
+    va, vr, vb = Value("va"), Value("vr"), Value("vb")
+    a, r = Node("Relu", [x], [va], name="a"), Node("Exp", [va], [vr], name="r")
+    b = Node("Add", [va, vr], [vb], name="b")
+    g = Graph()
+    g.inputs, g.nodes, g.outputs = [x], [a, r, b], [vb]
+    ix = GraphIndex(g)
+    ix.sorted = True
+    want = "path leaves the match at r and re-enters it"
+    assert legality_problem(g, [a, b], [va, vb]) == want
+    assert legality_problem(g, [a, b], [va, vb], ix) == want
+
+
 s, t = size_symbol("s"), size_symbol("t")
 
 
