@@ -7,7 +7,8 @@
 #                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only;
 #                                                   # attention_short: the whole models' attention nodes, SHORT_ARGS)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
-# WHOLE_TIMEOUT; compile: benchmarks/compile_time.py, cold and warm compile time against torch.compile, with
+# WHOLE_TIMEOUT; tuning: benchmarks/tuning_db.py, the shipped tuning winners into kernels/tuned/, with TUNING_ARGS,
+# TUNING_TIMEOUT; compile: benchmarks/compile_time.py, cold and warm compile time against torch.compile, with
 # COMPILE_ARGS, COMPILE_TIMEOUT; overhead: benchmarks/call_overhead.py, each variant's host cost per call, with
 # OVERHEAD_ARGS, OVERHEAD_TIMEOUT), MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
 # onnxruntime-gpu wheel (CUDA 13) installed into a temporary folder ahead of the image's CPU onnxruntime, so the
@@ -50,6 +51,7 @@ case "$phase" in
         gemm) timeout 120 python benchmarks/bench_gemm.py --out "$out" ;;
         gemm_fp32) timeout 150 python benchmarks/bench_gemm.py --fp32 --out "$out" ;;
         whole) timeout "${WHOLE_TIMEOUT:-500}" python benchmarks/whole_models.py --out "$out" ${WHOLE_ARGS:-} ;;
+        tuning) timeout "${TUNING_TIMEOUT:-400}" python benchmarks/tuning_db.py ${TUNING_ARGS:-} ;;
         compile) timeout "${COMPILE_TIMEOUT:-500}" python benchmarks/compile_time.py --out "$out" ${COMPILE_ARGS:-} ;;
         overhead) timeout "${OVERHEAD_TIMEOUT:-300}" python benchmarks/call_overhead.py --out "$out" ${OVERHEAD_ARGS:-} ;;
         attention) timeout 120 python benchmarks/bench_attention.py --out "$out" --prewarm 8 ;;

@@ -3,9 +3,11 @@
 `pick_config(kernel, arch, key, candidates, default, bench)` returns the config (a dict of compile-time
 knobs) to use for one (kernel, arch, key):
 
-1. the winner cached in memory or in `cache_dir()/tune-<kernel>-<arch>.json` (only if that winner is
-   still one of `candidates` or `default`, so a changed search space re-tunes instead of using a stale
-   entry);
+1. the winner cached in memory or in `cache_dir()/tune-<kernel>-<arch>.json`, else the one shipped with the
+   package (`kernels/tuned/`, the same format: winners measured on our GPUs at the benchmark models' shapes,
+   written by benchmarks/tuning_db.py), so a user gets tuned kernels without tuning and a cold compile
+   builds one config per kernel instead of every candidate. Either only if that winner is still one of
+   `candidates` or `default`, so a changed search space re-tunes instead of using a stale entry;
 2. else, when `tuning_enabled(arch)`, it times every candidate with `bench(config) -> ms` (an exception,
    NaN or inf marks a failed candidate), shows progress, stores the fastest atomically (merge under a
    file lock, write a temp file, `os.replace`; safe across processes) and returns it;
@@ -15,7 +17,8 @@ knobs) to use for one (kernel, arch, key):
 4. else `default` (heuristic), without touching the disk.
 
 Environment: TKOPT_CACHE_DIR (default ~/.cache/tkopt); TKOPT_AUTOTUNE: "0"/"false"/"off" disables
-tuning; unset or anything else enables it for GPU archs; it is never on for "cpu". In-process,
+tuning; unset or anything else enables it for GPU archs; it is never on for "cpu". TKOPT_SHIPPED_TUNING:
+"0"/"false"/"off" ignores the shipped winners (benchmarks/tuning_db.py measures afresh with it). In-process,
 `suspended()` turns it off for a block (kernel builds and probes: tuning belongs at the real shapes), and
 kernels then keep the config they return out of their per-process config memos.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import math
 import os
@@ -82,9 +86,30 @@ def shape_bucket(n: int, cap: int = 1 << 16) -> int:
     return min(1 << (n - 1).bit_length(), cap)
 
 
-def _file(kernel: str, arch: str) -> str:
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+
+
+def file_name(kernel: str, arch: str) -> str:
+    """The name of (kernel, arch)'s winners file, in the cache and in SHIPPED_DIR."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{kernel}-{arch}")
-    return os.path.join(cache_dir(), f"tune-{safe}.json")
+    return f"tune-{safe}.json"
+
+
+def _file(kernel: str, arch: str) -> str:
+    return os.path.join(cache_dir(), file_name(kernel, arch))
+
+
+@functools.cache
+def _shipped_file(kernel: str, arch: str) -> dict:
+    return _read(os.path.join(SHIPPED_DIR, file_name(kernel, arch)))
+
+
+def _entry(kernel: str, arch: str, kstr: str) -> dict | None:
+    """The stored record for a key: this machine's cache first, else the shipped winners (module docstring)."""
+    entry = _read(_file(kernel, arch)).get(kstr)
+    if entry is None and os.environ.get("TKOPT_SHIPPED_TUNING", "1").strip().lower() not in _FALSE:
+        entry = _shipped_file(kernel, arch).get(kstr)
+    return entry
 
 
 def _key_str(key: tuple) -> str:
@@ -139,8 +164,8 @@ def _store(kernel: str, arch: str, kstr: str, entry: dict) -> None:
 
 
 def cached_entry(kernel: str, arch: str, key: tuple) -> dict | None:
-    """The stored tuning record {"config", "ms", "timings", "time"} for a key, or None."""
-    return _read(_file(kernel, arch)).get(_key_str(key))
+    """The stored tuning record {"config", "ms", "timings", "time"} for a key (cached or shipped), or None."""
+    return _entry(kernel, arch, _key_str(key))
 
 
 def _progress(n: int, desc: str):
@@ -236,7 +261,7 @@ def _cached_config(kernel: str, arch: str, key: tuple, candidates: Sequence[dict
     if hit is not None:
         return dict(hit)
     allowed = [_norm(c) for c in candidates] + [_norm(default)]
-    entry = _read(_file(kernel, arch)).get(kstr)
+    entry = _entry(kernel, arch, kstr)
     if not (entry and isinstance(entry.get("config"), dict) and _norm(entry["config"]) in allowed):
         return None
     cfg = dict((list(candidates) + [default])[allowed.index(_norm(entry["config"]))])

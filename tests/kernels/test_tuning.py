@@ -141,3 +141,52 @@ def test_concurrent_processes_merge(tmp_path):
     data = json.loads((tmp_path / "cache" / "tune-mp-sm90.json").read_text())
     assert len(data) == 8  # no process's entry lost
     assert not [f for f in os.listdir(d) if f.startswith(".tune-")]  # no temp files left
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """A shipped-winners folder of our own: {kernel: {key: record}} -> written there, the file memo cleared."""
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", str(folder))
+    monkeypatch.delenv("TKOPT_SHIPPED_TUNING", raising=False)
+    tuning._shipped_file.cache_clear()
+
+    def ship(kernel, arch, key, config):
+        record = {"config": config, "ms": 1.0, "time": "2026-12-01T00:00:00", "device": "test"}
+        (folder / tuning.file_name(kernel, arch)).write_text(json.dumps({tuning._key_str(key): record}))
+        tuning._shipped_file.cache_clear()
+
+    yield ship
+    tuning._shipped_file.cache_clear()
+
+
+def test_a_shipped_winner_is_used_without_tuning_and_is_all_a_build_plans(shipped):
+    shipped("k", "sm90", (1, 2), CANDS[2])
+    calls = []
+    bench = _bench_factory({64: 1.0, 128: 1.0, 256: 1.0}, calls)
+    assert pick_config("k", "sm90", (1, 2), CANDS, DEFAULT, bench) == CANDS[2] and calls == []
+    assert tuning.planned_configs("k", "sm90", (1, 2), CANDS, DEFAULT) == [CANDS[2]]
+    assert tuning.cached_entry("k", "sm90", (1, 2))["device"] == "test"
+    # Another key, or another arch, tunes as before.
+    assert len(tuning.planned_configs("k", "sm90", (1, 3), CANDS, DEFAULT)) == 3
+    assert pick_config("k", "sm80", (1, 2), CANDS, DEFAULT, bench) == CANDS[0] and len(calls) == 3
+
+
+def test_this_machines_winner_overrides_the_shipped_one(shipped):
+    shipped("k", "sm90", (1, 2), CANDS[2])
+    calls = []
+    tuning._store("k", "sm90", tuning._key_str((1, 2)), {"config": tuning._norm(CANDS[1]), "ms": 1.0})
+    assert pick_config("k", "sm90", (1, 2), CANDS, DEFAULT, _bench_factory({}, calls)) == CANDS[1] and calls == []
+
+
+def test_a_stale_or_disabled_shipped_winner_tunes(shipped, monkeypatch):
+    shipped("k", "sm90", (1, 2), dict(bm=512, stages=9))  # no longer a candidate: the search space changed
+    calls = []
+    bench = _bench_factory({64: 3.0, 128: 1.0, 256: 2.0}, calls)
+    assert pick_config("k", "sm90", (1, 2), CANDS, DEFAULT, bench) == CANDS[1] and len(calls) == 3
+    tuning.clear_memory_cache()
+    shipped("k", "sm90", (1, 4), CANDS[2])
+    monkeypatch.setenv("TKOPT_SHIPPED_TUNING", "0")
+    assert len(tuning.planned_configs("k", "sm90", (1, 4), CANDS, DEFAULT)) == 3
+    assert pick_config("k", "sm90", (1, 4), CANDS, DEFAULT, bench) == CANDS[1] and len(calls) == 6
