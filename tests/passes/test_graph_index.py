@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import sympy
+from torch import nn
 
+from tkopt.frontends.fx import import_fx
 from tkopt.ir import Graph, Node, Value
 from tkopt.models import blocks
 from tkopt.models.export import export_fx
@@ -27,8 +29,6 @@ def _assert_current(ix: GraphIndex) -> None:
 @pytest.mark.parametrize("name", ["gpt2_block", "llama_block", "bert_layer"])
 def test_index_stays_current_through_every_fusion(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every in-place update the passes make on a real export leaves the index equal to a rebuilt one."""
-    from tkopt.frontends.fx import import_fx
-
     real = GraphIndex.replaced
     updates = []
 
@@ -43,6 +43,26 @@ def test_index_stays_current_through_every_fusion(name: str, monkeypatch: pytest
     model, inputs = blocks.REFERENCE_MODELS[name]()
     run_passes(import_fx(export_fx(model, inputs)))
     assert len(updates) >= 4 and any(updates)
+
+
+def test_the_users_map_is_not_rebuilt_per_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole-graph user maps are built per pass and per attention anchor, not per fusion: two more GPT-2
+    blocks (14 more fused nodes) add the attention pass's two per block (its refresh and its legality
+    check), where rebuilding per fusion added ~2 per fused node."""
+    real = Graph.user_map
+    built: list[int] = []
+    monkeypatch.setattr(Graph, "user_map", lambda self: built.append(1) or real(self))
+
+    def run(depth: int) -> tuple[int, int]:
+        model, (x,) = blocks.REFERENCE_MODELS["gpt2_block"]()
+        graph = import_fx(export_fx(nn.Sequential(*[model] * depth), (x,), dynamic=False))
+        built.clear()
+        report = run_passes(graph)
+        return len(built), report.total_fused
+
+    (maps1, fused1), (maps3, fused3) = run(1), run(3)
+    assert fused3 - fused1 >= 10
+    assert maps3 - maps1 <= 4
 
 
 def _graph(order: str) -> tuple[Graph, dict[str, Node]]:
