@@ -568,6 +568,7 @@ def _filled(ma: MaskAnalysis, p: Node, depth: int) -> Fn | None:
 
 
 AND_OPS = ("And", "aten::bitwise_and", "aten::logical_and", "aten::__and__")
+NOT_OPS = ("Not", "aten::bitwise_not", "aten::logical_not")
 OR_OPS = ("Or", "aten::bitwise_or", "aten::logical_or", "aten::__or__")
 RULES: dict[str, Rule] = {
     "Identity": _identity, "aten::clone": _identity, "aten::contiguous": _identity, "aten::alias": _identity,
@@ -579,7 +580,7 @@ RULES: dict[str, Rule] = {
     **{op: _filled for op in ("ConstantOfShape", "aten::full", "aten::ones", "aten::zeros", "aten::full_like",
                               "aten::ones_like", "aten::zeros_like", "aten::new_ones", "aten::new_zeros",
                               "aten::new_full", "aten::scalar_tensor")},
-    **{op: _unary(np.logical_not) for op in ("Not", "aten::bitwise_not", "aten::logical_not")},
+    **{op: _unary(np.logical_not) for op in NOT_OPS},
     "Neg": _unary(np.negative),
     **{op: _binary(fn) for op, fn in {
         "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Max": np.maximum,
@@ -671,22 +672,18 @@ def split_mask(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None) -
     """For a mask no causal proof covers whole (kind as in prove_causal): the one bool mask left once its
     provably causal factors (then `causal`) and its factors that keep everything (keeps_everywhere) are taken
     out, and any Expand (a broadcast, which the kernels do themselves) is seen through. A keep mask's factors
-    are those of its And, a drop mask's of its Or; an additive mask must be Where(keep, 0, -inf) or
-    Where(drop, -inf, 0) of such a bool mask (SDPA's decomposition). Keeping is then causality (if any) and the
+    are those of its And, a drop mask's of its Or; an additive mask must be made of such a bool mask
+    (bool_of_additive). Keeping is then causality (if any) and the
     rest, elementwise for every admitted size, so causal=1 with the rest as the mask input is the same
     attention. The decoders' masks are this: a traced transformers model builds its causal mask And the
     attention_mask's padding, where eager, seeing no padding, passes none; an encoder's (BERT's) is the
     padding, (B, 1, 1, S), And q >= 0, expanded to (B, 1, S, S). None if nothing comes out: no factor taken
     out and no Expand seen through, or more than one factor left."""
     if kind == "add":
-        p = ma.ix.producer(mask)
-        if p is None or p.op != "Where" or len(p.inputs) != 3:
+        found = bool_of_additive(ma, mask)
+        if found is None:
             return None
-        fills = tuple(ma.shapes.scalar(v) for v in p.inputs[1:])
-        kind = "keep" if fills == (0.0, -math.inf) else "drop" if fills == (-math.inf, 0.0) else ""
-        if not kind:
-            return None
-        mask = p.inputs[0]
+        mask, kind = found
         if prove_causal(ma, mask, kind, scores) is not None:
             return None  # causal whole: no other mask to keep
     ops = AND_OPS if kind == "keep" else OR_OPS
@@ -707,6 +704,90 @@ def split_mask(ma: MaskAnalysis, mask: Value, kind: str, scores: Shape | None) -
     if len(rest) != 1 or rest[0] is None or not (causal or peeled):
         return None
     return Split(rest[0], kind, causal=bool(causal))
+
+
+def bool_of_additive(ma: MaskAnalysis, v: Value) -> tuple[Value, str] | None:
+    """The bool mask an additive mask is made of, and its kind ("keep" or "drop"), where every element of the
+    additive mask is 0 where that mask keeps and -inf where it drops: Where(keep, 0, -inf), Where(drop, -inf,
+    0), or masked_fill(zeros, drop, -inf) (SDPA's conversion of a bool mask: the CPU and math paths use Where,
+    CUDA's efficient and cuDNN paths masked_fill), seen through Expand and through a Slice that takes back
+    exactly what a constant_pad_nd appended (the efficient kernel's bias alignment); a Not of the bool mask
+    flips its kind. None for anything else."""
+    p = ma.ix.producer(v)
+    while p is not None and len(p.outputs) == 1:
+        if p.op == "Expand":
+            v = p.inputs[0]
+        elif p.op == "Slice" and (inner := _unpadded(ma, p)) is not None:
+            v = inner
+        else:
+            break
+        p = ma.ix.producer(v)
+    if p is None:
+        return None
+    if p.op == "Where" and len(p.inputs) == 3:
+        bool_mask, fills = p.inputs[0], (_uniform(ma, p.inputs[1]), _uniform(ma, p.inputs[2]))
+    elif p.op == "aten::masked_fill" and len(p.inputs) == 2 and "value" in p.attrs:
+        bool_mask, fills = p.inputs[1], (p.attrs["value"], _uniform(ma, p.inputs[0]))
+    else:
+        return None
+    kind = "keep" if fills == (0.0, -math.inf) else "drop" if fills == (-math.inf, 0.0) else ""
+    if not kind or bool_mask is None or bool_mask.dtype != "bool":
+        return None
+    q = ma.ix.producer(bool_mask)
+    while q is not None and q.op in NOT_OPS and len(q.inputs) == 1 and len(q.outputs) == 1:
+        bool_mask, kind = q.inputs[0], "drop" if kind == "keep" else "keep"
+        q = ma.ix.producer(bool_mask)
+    return bool_mask, kind
+
+
+def _uniform(ma: MaskAnalysis, v: Value | None) -> float | None:
+    """The one value every element of `v` has at every admitted size (a constant or a fill), else None."""
+    if v is None:
+        return None
+    scalar = ma.shapes.scalar(v)
+    if scalar is not None:
+        return scalar
+    fn = ma.fn(v)
+    if isinstance(fn, Steps) and not any(fn.coef) and len(fn.values) == 1:
+        return float(fn.values[0])
+    return None
+
+
+def _unpadded(ma: MaskAnalysis, p: Node) -> Value | None:
+    """What a Slice reads, where it is constant_pad_nd(x) (or F.pad's constant mode) sliced back to exactly x
+    (each sliced axis padded at its end only and read from 0 to x's size, step 1; no other axis padded): x,
+    else None."""
+    pad = ma.ix.producer(p.inputs[0])
+    constant = pad is not None and (pad.op == "aten::constant_pad_nd"
+                                    or (pad.op == "aten::pad" and pad.attrs.get("mode") == "constant"))
+    if pad is None or not constant or len(pad.outputs) != 1 or pad.inputs[0] is None:
+        return None
+    x = pad.inputs[0]
+    shape, widths = ma.shape(x), pad.attrs.get("pad")
+    if shape is None or not isinstance(widths, list | tuple) or len(widths) % 2 or len(widths) > 2 * len(shape):
+        return None
+    params = ma.shapes.slice_params(p, len(shape))
+    if params is None:
+        return None
+    sliced = {axis: (start, end, step) for axis, start, end, step in params}
+    for k in range(len(widths) // 2):
+        axis = len(shape) - 1 - k
+        before, after = (sympy.sympify(w) for w in widths[2 * k: 2 * k + 2])
+        if before != 0:
+            return None
+        if after == 0:
+            continue
+        if axis not in sliced:
+            return None
+        start, end, step = sliced.pop(axis)
+        out = ma.shape(p.outputs[0])
+        # The slice's extent is x's: a negative width (a crop) would leave it shorter.
+        if not (start == 0 and step == 1 and same(end, shape[axis]) and out is not None
+                and same(out[axis], shape[axis])):
+            return None
+    if sliced:  # a slice of an axis the pad left alone
+        return None
+    return x
 
 
 def _additive(v: Any, dtype: str | None) -> tuple[bool | None, float | None]:

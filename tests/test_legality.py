@@ -589,17 +589,23 @@ def test_a_mask_factor_that_drops_some_query_stays_in_the_mask() -> None:
         torch.testing.assert_close(gm(x, keep), M()(x, keep), rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-def test_hf_causal_and_padding_mask_splits_in_dynamos_graph_too() -> None:
-    """The torch.compile backend traces SDPA decomposed: the same mask arrives as Where(causal And padding, 0,
-    -inf) added to the scores, and splits the same way."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_hf_causal_and_padding_mask_splits_in_dynamos_graph_too(device: str) -> None:
+    """The torch.compile backend traces SDPA decomposed into the kernel torch picks on the tracing device: on the
+    CPU the mask arrives as Where(causal And padding, 0, -inf) added to the scores; on CUDA as masked_fill(zeros,
+    Not(causal And padding), -inf), expanded to every head and padded then sliced back (the efficient kernel's
+    bias; H200: GPT-2's attention then ran its full-mask path, 0.230 ms against tkopt.compile's 0.073). Both
+    split the same way."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     from tkopt.backends.dynamo import make_backend
     from tkopt.models.hf import tiny_model
 
     torch.manual_seed(0)
-    lm = tiny_model("gpt2", "AutoModelForCausalLM", num_hidden_layers=1).eval()
+    lm = tiny_model("gpt2", "AutoModelForCausalLM", num_hidden_layers=1).eval().to(device)
     backend = make_backend(select="all", inductor=False)
     fast = torch.compile(lm, backend=backend)
-    x, keep = torch.randint(1, 100, (2, 11)), torch.ones(2, 11, dtype=torch.int64)
+    x, keep = torch.randint(1, 100, (2, 11), device=device), torch.ones(2, 11, dtype=torch.int64, device=device)
     keep[0, :4] = 0
     with torch.no_grad():
         got = fast(input_ids=x, attention_mask=keep, use_cache=False).logits
@@ -608,6 +614,51 @@ def test_hf_causal_and_padding_mask_splits_in_dynamos_graph_too() -> None:
     [n] = [n for n in backend.graph_modules[-1].graph.nodes if "fused_attention" in str(n.target)]
     causal, mask = n.args[5], n.args[3].meta["val"]
     assert causal == 1 and tuple(mask.shape) == (2, 1, 1, 11), (n.args, mask.shape)
+
+
+def _cuda_style_bias(keep: torch.Tensor, dtype: torch.dtype, heads: int, form: str) -> torch.Tensor:
+    """SDPA's conversion of bool mask `keep` (b, 1, s, s) to the float bias CUDA's efficient kernel reads: zeros
+    with -inf where it drops, expanded to every head, padded to a multiple of 16 keys and sliced back. `form`
+    names a near miss instead: "left_pad" pads before the keys (the slice then reads shifted), "ones" fills a
+    base of ones (a bias, not a mask), "finite" fills -1e4."""
+    b, _, s, _ = keep.shape
+    base = torch.ones_like(keep, dtype=dtype) if form == "ones" else torch.zeros_like(keep, dtype=dtype)
+    bias = base.masked_fill(keep.logical_not(), -1e4 if form == "finite" else float("-inf"))
+    bias = bias.expand(b, heads, s, s)
+    pad = 16 - s % 16
+    return F.pad(bias, (1, pad - 1) if form == "left_pad" else (0, pad))[..., :s]
+
+
+@pytest.mark.parametrize("form", ["cuda", "left_pad", "ones", "finite"])
+def test_cuda_sdpas_float_bias_of_causal_and_padding_splits_and_its_near_misses_do_not(form: str) -> None:
+    """The CUDA form of SDPA's bias (_cuda_style_bias) made of causal And padding splits into causal=1 and the
+    (b, 1, 1, s) padding, as the Where form does. Near misses keep causal=0 and their whole mask: a left pad
+    (what the slice reads is shifted), a base of ones and a finite fill (values that are no 0/-inf mask).
+    Fused == eager either way, a row right-padded. Exported per length (1, 7, 37; batch dynamic), as the backend
+    first traces: a dynamic length gives the pad width a guard torch.export cannot prove."""
+
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            q, k, v = _qkv(x)
+            i = torch.arange(x.shape[1])
+            mask = (i[None, :] <= i[:, None])[None, None] & keep.bool()[:, None, None, :]
+            bias = _cuda_style_bias(mask.expand(x.shape[0], 1, -1, -1), q.dtype, H, form)
+            return _merge(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+
+    for s in (1, 7, 37):
+        x, keep = _x(3, s), torch.ones(3, s, dtype=torch.int64)
+        keep[0, s // 2 + 1:] = 0
+        graph = import_fx(torch.export.export(M(), (x, keep), dynamic_shapes=({0: Dim("b", max=8)},) * 2))
+        run_passes(graph)
+        [fused] = [n for n in graph.nodes if n.op == "FusedAttention"]
+        mask = fused.inputs[3]
+        if form == "cuda" and s > 1:  # one key: (b, H, 1, 1), nothing to split
+            assert fused.attrs["causal"] == 1 and mask is not None and mask.shape[1:3] == (1, 1), (s, mask)
+        elif s > 1:
+            assert fused.attrs["causal"] == 0 and mask is not None and mask.shape[2] == s, (s, fused.attrs, mask)
+        with torch.no_grad():
+            torch.testing.assert_close(to_torch_module(graph)(x, keep), M()(x, keep), rtol=1e-5, atol=1e-6,
+                                       equal_nan=True)
 
 
 @pytest.mark.parametrize("combine", ["or", "anticausal"])

@@ -57,3 +57,28 @@ def test_a_shipped_gemm_winner_is_the_only_config_a_cold_build_plans(monkeypatch
     tuning.clear_memory_cache()
     assert len(shipped) == 1 and len(gemm_epilogue.planned_kernels("gemm", build, *args)) > 1
     tuning.clear_memory_cache()
+
+
+def test_tuning_db_merges_fresh_winners_into_the_folder(tmp_path: Path) -> None:
+    """benchmarks/tuning_db.py's merge: a key measured again replaces its record, other keys stay, each fresh
+    record names its device, and only the GPU's arch is taken."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "tuning_db.py"
+    spec = importlib.util.spec_from_file_location("tuning_db_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    cache, db = tmp_path / "cache", tmp_path / "db"
+    cache.mkdir()
+    db.mkdir()
+    (db / "tune-gemm-sm90.json").write_text(json.dumps({"a": {"config": {"x": 1}, "device": "old"},
+                                                        "b": {"config": {"x": 2}, "device": "old"}}))
+    (cache / "tune-gemm-sm90.json").write_text(json.dumps({"b": {"config": {"x": 3}}, "c": {"config": {"x": 4}}}))
+    (cache / "tune-gemm-sm80.json").write_text(json.dumps({"d": {"config": {"x": 5}}}))
+    assert module.merge(cache, db, "sm90", "H200") == {"tune-gemm-sm90.json": 3}
+    merged = json.loads((db / "tune-gemm-sm90.json").read_text())
+    assert merged == {"a": {"config": {"x": 1}, "device": "old"}, "b": {"config": {"x": 3}, "device": "H200"},
+                      "c": {"config": {"x": 4}, "device": "H200"}}
+    assert sorted(p.name for p in db.iterdir()) == ["tune-gemm-sm90.json"]
