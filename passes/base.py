@@ -14,13 +14,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tkopt.fused_ops import schema
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 
-if TYPE_CHECKING:
-    from .patterns import GraphIndex
+
+class GraphIndex(Protocol):
+    """What `fuse` reads and keeps current of an index of the graph (patterns.GraphIndex; a protocol here, as
+    patterns builds on this module)."""
+
+    sorted: bool
+
+    def user_map(self) -> dict[int, list[Node]]: ...
+
+    def replaced(self, old: Sequence[Node], new: Node) -> bool: ...
+
+    def refresh(self) -> None: ...
 
 
 @dataclass

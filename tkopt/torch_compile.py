@@ -53,6 +53,7 @@ from tkopt.backends.inductor import InductorOrEager
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.differential import AccuracyError, check_module
 from tkopt.frontends.fx import import_fx, node_val
+from tkopt.gc_pause import gc_paused
 from tkopt.input_sizes import guards_refuse
 from tkopt.ir import Graph
 from tkopt.object_trees import Boxed, Boxer, unbox
@@ -247,6 +248,7 @@ class CompiledModule(nn.Module):
         """The latest optimized program (re-exportable with torch.export)."""
         return self.specializations[-1].module
 
+    @gc_paused()
     def specialize(self, args: tuple, kwargs: dict) -> Specialization:
         """Export and optimize for boxed (args, kwargs) (see `forward`)."""
         t0 = time.perf_counter()

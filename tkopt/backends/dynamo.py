@@ -50,6 +50,7 @@ from tkopt.backends.inductor import InductorOrEager
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.frontends.decompositions import TRACE_DECOMPOSITIONS, ensure_fake_impls
 from tkopt.frontends.fx import import_fx, node_val
+from tkopt.gc_pause import gc_paused
 from tkopt.pipeline import optimize
 from tkopt.targets.torch_target import TorchTarget, first_device
 
@@ -84,6 +85,7 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
+@gc_paused()
 def optimize_graph_module(
     gm: fx.GraphModule, disable: Iterable[str] = (), example_inputs: Sequence[Any] = (), select: str | None = None,
     cuda_graphs: bool = True, plain: fx.GraphModule | None = None, inductor: bool = False,
