@@ -66,6 +66,8 @@ def tune_model(name: str) -> dict[str, int]:
 def merge(cache: Path, db: Path, arch: str, device: str) -> dict[str, int]:
     """Merge the winners `cache` holds for `arch` into `db`, each record naming the `device` it was measured on;
     returns per file how many keys it now holds."""
+    from tkopt.files import write_atomic
+
     db.mkdir(parents=True, exist_ok=True)
     counts = {}
     for path in sorted(cache.glob(f"tune-*-{arch}.json")):
@@ -73,9 +75,7 @@ def merge(cache: Path, db: Path, arch: str, device: str) -> dict[str, int]:
         target = db / path.name
         known = json.loads(target.read_text()) if target.exists() else {}
         known.update(fresh)
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, target)
+        write_atomic(target, (json.dumps(known, indent=1, sort_keys=True) + "\n").encode())
         counts[path.name] = len(known)
     return counts
 
