@@ -763,8 +763,9 @@ def _unpadded(ma: MaskAnalysis, p: Node) -> Value | None:
     if pad is None or not constant or len(pad.outputs) != 1 or pad.inputs[0] is None:
         return None
     x = pad.inputs[0]
-    shape, widths = ma.shape(x), pad.attrs.get("pad")
-    if shape is None or not isinstance(widths, list | tuple) or len(widths) % 2 or len(widths) > 2 * len(shape):
+    shape, out, widths = ma.shape(x), ma.shape(p.outputs[0]), pad.attrs.get("pad")
+    if (shape is None or out is None or not isinstance(widths, list | tuple) or len(widths) % 2
+            or len(widths) > 2 * len(shape)):
         return None
     params = ma.shapes.slice_params(p, len(shape))
     if params is None:
@@ -780,10 +781,8 @@ def _unpadded(ma: MaskAnalysis, p: Node) -> Value | None:
         if axis not in sliced:
             return None
         start, end, step = sliced.pop(axis)
-        out = ma.shape(p.outputs[0])
         # The slice's extent is x's: a negative width (a crop) would leave it shorter.
-        if not (start == 0 and step == 1 and same(end, shape[axis]) and out is not None
-                and same(out[axis], shape[axis])):
+        if not (start == 0 and step == 1 and same(end, shape[axis]) and same(out[axis], shape[axis])):
             return None
     if sliced:  # a slice of an axis the pad left alone
         return None
