@@ -188,8 +188,7 @@ def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
             fns["sdpa causal"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, **sdpa)
     cands = A.tune_candidates("sm90", d, masked=mk is not None)
     for cfg in cands:
-        sched = "pipelined" if cfg.get("pipelined") else "plain"
-        label = f"ours {cfg['block_M']}x{cfg['block_N']} t{cfg['threads']} {sched}"
+        label = "ours " + config_label(cfg)
         fns[label] = lambda cfg=cfg: A.flash_attention(q, k, v, causal=causal, mask=mask, layout=lay, arch="sm90",
                                                        config=cfg)  # fmt: skip
     ref = fns["sdpa"]()
@@ -209,6 +208,13 @@ def short_row(name, b, hq, hkv, s, d, causal, layout, mk):
                                                      config=cands[0]), q.device)  # fmt: skip
         row[first + " padded (graph)"] = bench(graph.replay)
     return row
+
+
+def config_label(cfg: dict) -> str:
+    """A tile config as a row label: "128x128 t256 s2 pipelined", "mb2" added where it asks for 2 CTAs per SM."""
+    sched = "pipelined" if cfg.get("pipelined") else "plain"
+    label = f"{cfg['block_M']}x{cfg['block_N']} t{cfg['threads']} s{cfg['num_stages']} {sched}"
+    return label + (f" mb{cfg['min_blocks']}" if cfg.get("min_blocks", 1) > 1 else "")
 
 
 def run_short(out_dir, only: list[str] | None = None):

@@ -1,7 +1,7 @@
 """The shipped tuning winners (kernels/tuned/): tune every kernel the benchmark models' fused nodes run, at the
 shapes selection runs them at, on this GPU, and merge the winners into a folder.
 
-    python benchmarks/tuning_db.py [--models gpt2_8x1024 ...] [--db kernels/tuned]
+    python benchmarks/tuning_db.py [--models gpt2_8x1024 ...] [--ops FusedAttention ...] [--db kernels/tuned]
 
 For each model (benchmarks/whole_models.py's table, fp16) and each size it is compiled or served at: export it as
 tkopt.compile does (every input dim dynamic), run the passes, build every fused node's kernels in one parallel
@@ -21,13 +21,15 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tune_model(name: str) -> dict[str, int]:
-    """Tune the kernels of one model's fused nodes (module docstring); returns per op how many nodes ran."""
+def tune_model(name: str, ops: Sequence[str] = ()) -> dict[str, int]:
+    """Tune the kernels of one model's fused nodes (module docstring), or of those whose op is one of `ops`;
+    returns per op how many nodes ran."""
     import torch
     import whole_models as wm  # run as a script, its folder is on sys.path
 
@@ -46,7 +48,7 @@ def tune_model(name: str) -> dict[str, int]:
         with torch.no_grad():
             graph = import_fx(_export(module, inputs, {}, True))
             run_passes(graph, ())
-            nodes = [n for n in graph.nodes if n.is_fused]
+            nodes = [n for n in graph.nodes if n.is_fused and (not ops or n.op in ops)]
             target = TorchTarget(inputs)
             sizes = [size.dims for size in target.sizes(graph.meta["fx_module"])[1:]]
             load(prebuild(nodes, target.device, target.fingerprint(), sizes))
@@ -86,6 +88,7 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=sorted(wm.MODELS), default=list(wm.MODELS))
+    p.add_argument("--ops", nargs="+", default=(), help="only nodes of these fused ops (FusedAttention, ...)")
     p.add_argument("--db", type=Path, default=ROOT / "kernels" / "tuned", help="the winners folder to merge into")
     args = p.parse_args()
     os.environ["TKOPT_SHIPPED_TUNING"] = "0"
@@ -103,7 +106,7 @@ def main() -> int:
     for name in args.models:
         t = time.perf_counter()
         try:
-            ran = tune_model(name)
+            ran = tune_model(name, args.ops)
         except Exception as e:  # noqa: BLE001 - one model that fails must not lose the others' winners
             print(f"{name}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
             continue

@@ -100,11 +100,15 @@ TUNE_CANDIDATES = {
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
         dict(block_M=128, block_N=176, num_stages=2, threads=256, pipelined=True),
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=False),
+        dict(block_M=64, block_N=128, num_stages=1, threads=128, pipelined=True, min_blocks=2),
+        dict(block_M=64, block_N=64, num_stages=2, threads=128, pipelined=True, min_blocks=2),
     ],
     ("sm90", 64): [
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
         dict(block_M=192, block_N=128, num_stages=2, threads=384, pipelined=True),
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=False),
+        dict(block_M=64, block_N=128, num_stages=2, threads=128, pipelined=True, min_blocks=2),
+        dict(block_M=64, block_N=64, num_stages=2, threads=128, pipelined=True, min_blocks=3),
     ],
     "sm80": [
         dict(block_M=128, block_N=64, num_stages=1, threads=256),
@@ -153,6 +157,18 @@ def _kept_rows(m: torch.Tensor, mask_kind: str, mask_keeps: bool) -> torch.Tenso
     if mask_kind == "bool":
         return rows.amin(1) if mask_keeps else rows.amax(1)
     return torch.linalg.vector_norm(rows, math.inf, dim=1)
+
+
+def _register_split(threads: int, min_blocks: int) -> tuple[int, int]:
+    """(producer, consumer) registers per thread that warp-specialized CTAs of `threads` consumer threads (and
+    TileLang's one producer warpgroup) set with setmaxnreg so that `min_blocks` of them fit an SM: each launches
+    with what __launch_bounds__(threads + 128, min_blocks) leaves a thread (65536 registers per SM, in steps of
+    8), and the consumers take what the producer gives back. TileLang's own split (24/240) fits one CTA of two
+    consumer warpgroups per SM; asked for more than the CTA holds, setmaxnreg.inc would wait forever."""
+    total = threads + 128
+    launch = min(255, 65536 // (min_blocks * total)) // 8 * 8
+    producer = 24
+    return producer, min(240, (launch * total - producer * 128) // threads // 8 * 8)
 
 
 def _visible(q_idx, k_idx, seq_kv, causal: bool):
@@ -210,6 +226,7 @@ def gpu_program(
     pipelined: bool = False,
     strided_qkv: bool = False,
     kept_rows: bool = False,
+    min_blocks: int = 1,
 ):
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
@@ -523,6 +540,11 @@ def gpu_program(
     @T.macro
     def body(Q, K, V, Mask, Kept, Output):
         with T.Kernel(T.ceildiv(seq_q, block_M), heads_q, batch, threads=threads) as (bx, by, bz):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
+                producer, consumer = _register_split(threads, min_blocks)
+                T.annotate_producer_reg_dealloc(producer)
+                T.annotate_consumer_reg_alloc(consumer)
             Q_shared = T.alloc_shared([block_M, dim], dtype)
             K_shared = T.alloc_shared([block_N, dim], dtype)
             V_shared = T.alloc_shared([block_N, dim], dtype)

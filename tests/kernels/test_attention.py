@@ -320,6 +320,9 @@ LOWER_CASES = {
                                                (False, True, True, False), {"pipelined": False}),
     "sm80-bf16-d64-scaledmask-noneguard": ("sm80", "bfloat16", 64, 4, 2, True, ("bhsd",) * 4, "add",
                                            (False, True, False, False), {}, {"mask_scale": 0.125, "guard": "none"}),
+    "sm90-f16-d64-two-ctas-keymask-causal": ("sm90", "float16", 64, 12, 12, True, ("bshd",) * 4, "bool",
+                                             (False, True, True, False),
+                                             {"block_M": 64, "threads": 128, "min_blocks": 2}),
 }  # fmt: skip
 
 
@@ -359,6 +362,14 @@ def test_cuda_lowers_and_nvcc_compiles(lowered, name):
         assert "cp_async" in src and "mma" in src and "wgmma" not in src
     build = cuda_compile(src, arch)
     assert build.registers and all(s == 0 for s in build.spills), build.log[-2000:]
+    config = _config(arch, dim, overrides)
+    blocks, threads = config.get("min_blocks", 1), config["threads"] + 128  # TileLang adds a producer warpgroup
+    if blocks > 1:
+        assert f"__launch_bounds__({threads}, {blocks})" in src
+        assert build.registers[0] * threads * blocks <= 65536, "the CTAs asked for do not fit an SM's registers"
+        dealloc, alloc = (int(n) for n in re.findall(r"warpgroup_reg_(?:dealloc|alloc)<(\d+)>", src))
+        assert dealloc * 128 + alloc * config["threads"] <= build.registers[0] * threads, (
+            "setmaxnreg asks for more registers than the CTA launched with: the consumers would wait forever")
 
 
 def _sass(cubin: str) -> str | None:
@@ -449,8 +460,11 @@ def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
 
 
 # ---------------------------------------------------------------------------------- GPU numerics
-# variant -> (arch, config overrides): sm90 runs its default (pipelined) schedule and the plain one.
-GPU_VARIANTS = {"sm90": ("sm90", None), "sm90-plain": ("sm90", {"pipelined": False}), "sm80": ("sm80", None)}
+# variant -> (arch, config overrides): sm90 runs its default (pipelined) schedule, the plain one, and its tuning
+# candidate that asks for several CTAs per SM (one consumer warpgroup each, setmaxnreg split to fit: `TWO_CTAS`).
+TWO_CTAS = "several CTAs per SM"
+GPU_VARIANTS = {"sm90": ("sm90", None), "sm90-plain": ("sm90", {"pipelined": False}), "sm90-ctas": ("sm90", TWO_CTAS),
+                "sm80": ("sm80", None)}
 GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (B, Hq, Hkv, Sq, Skv, D, causal, layout, mask)
 GPU_CASES = {
@@ -463,9 +477,9 @@ GPU_CASES = {
 
 
 def gpu_case_enabled(dtype, case, variant="sm90"):
-    """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one, and not for sm90-plain
-    (fp32 always runs the plain schedule). Each is a compiled kernel."""
-    if dtype == torch.float32 and variant == "sm90-plain":
+    """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one, and not for sm90-plain or sm90-ctas
+    (fp32 always runs its own config). Each is a compiled kernel."""
+    if dtype == torch.float32 and variant in ("sm90-plain", "sm90-ctas"):
         return False
     if dtype == torch.float16:
         return True
@@ -479,6 +493,8 @@ def gpu_variant_config(variant, dtype, dim):
     arch, overrides = GPU_VARIANTS[variant]
     if overrides is None or dtype == torch.float32:
         return arch, None
+    if overrides == TWO_CTAS:
+        return arch, next(c for c in A.tune_candidates(arch, dim) if c.get("min_blocks", 1) > 1)
     return arch, {**A.DEFAULT_CONFIGS[(arch, dim)], **overrides}
 
 
@@ -564,11 +580,13 @@ def test_gpu_packed_qkv_heads_read_in_place():
     q, k, v = (t.view(b, s, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=2))
     assert A.kernel_layouts(q, k, v, "bhsd", strided=True)[0] == ("bshd", "bshd", "bshd", "bhsd")
     keys = torch.rand(b, 1, 1, s, device="cuda") > 0.2
-    for causal, mask in ((True, keys), (True, None), (False, keys)):
-        out = flash_attention(q, k, v, causal=causal, mask=mask, arch="sm90")
-        torch.cuda.synchronize()
-        ref = flash_attention_ref(q.float(), k.float(), v.float(), causal=causal, mask=mask)
-        assert _rel(out, ref) < 1e-2
+    for variant in ("sm90", "sm90-ctas"):
+        config = gpu_variant_config(variant, torch.float16, d)[1]
+        for causal, mask in ((True, keys), (True, None), (False, keys)):
+            out = flash_attention(q, k, v, causal=causal, mask=mask, arch="sm90", config=config)
+            torch.cuda.synchronize()
+            ref = flash_attention_ref(q.float(), k.float(), v.float(), causal=causal, mask=mask)
+            assert _rel(out, ref) < 1e-2, (variant, causal, mask is not None)
 
 
 # (mask kind, mask_scale, mask_fill, guard, causal, mask_keeps): what FusedAttention reproduces from graphs
@@ -588,15 +606,16 @@ GPU_SEMANTICS = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_SEMANTICS))
-@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+@pytest.mark.parametrize("variant", ["sm90", "sm90-ctas", "sm80"])
 def test_gpu_semantics_match_reference(variant, case):
     """Finite fills (a fully masked row weighs its own keys equally: not the padding of the partial last key
     block, not keys after the query), a scaled additive mask, NaN rows under plain softmax and the NaN guard,
     masked_fill's mask (True masks), finite keys after all -inf blocks (shifted by their own max), on both
     archs (fp16, D=64, lengths not multiples of a tile); and those of key-only masks, which the kernels read per
     key block, not per score."""
+    arch, config = gpu_variant_config(variant, torch.float16, 64)
     major, _ = torch.cuda.get_device_capability()
-    if variant == "sm90" and major != 9:
+    if arch == "sm90" and major != 9:
         pytest.skip("sm90 variant needs a Hopper GPU")
     kind, mask_scale, fill, guard, causal, keeps = GPU_SEMANTICS[case]
     torch.manual_seed(11)
@@ -622,7 +641,7 @@ def test_gpu_semantics_match_reference(variant, case):
     if guard == "nan":
         q[1, 2, 33, 5] = float("nan")
     kw = dict(causal=causal, mask=mask, mask_scale=mask_scale, mask_fill=fill, guard=guard, mask_keeps=keeps)
-    out = flash_attention(q, k, v, arch=variant, **kw)
+    out = flash_attention(q, k, v, arch=arch, config=config, **kw)
     torch.cuda.synchronize()
     ref = flash_attention_ref(q.float(), k.float(), v.float(), **kw)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2, equal_nan=True)
