@@ -100,7 +100,6 @@ TUNE_CANDIDATES = {
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
         dict(block_M=128, block_N=176, num_stages=2, threads=256, pipelined=True),
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=False),
-        dict(block_M=64, block_N=128, num_stages=1, threads=128, pipelined=True, min_blocks=2),
     ],
     ("sm90", 64): [
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
