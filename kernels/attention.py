@@ -95,6 +95,13 @@ last_config: dict[str, dict] = {}  # the GPU config used by the latest call, per
 # 1.5%; 128x64 and 64x128 (threads 128) lost by 10-45% and were dropped. 128x176 is FA3's non-causal
 # tile for D=128 (smem 32 + 2*2*44 KB; O_shared reuses Q_shared's bytes), 192x128 with 3 consumer
 # warpgroups (TileLang lowers their register budget to 160, no spills) its tile for D=64.
+# D=64, 64x128 with one consumer warpgroup and two CTAs per SM (min_blocks: __launch_bounds__ and a setmaxnreg
+# split of 24/232 that fits them, `_register_split`): one CTA's prologue, epilogue and softmax run while the
+# other's wgmma do. H200, 2026-12-02 (CUDA-graph replays, benchmarks/results/2026-12-02-h200): GPT-2's causal
+# node 0.0687 -> 0.0604 ms, BERT-base's 0.0615 -> 0.0554, the encoder's 0.0384 -> 0.0356; every D=64 key of
+# the benchmark models tuned to it. At D=128 its 64x128 twin (one stage, to fit two CTAs' shared memory) lost:
+# Llama's node 0.196 against 0.166 ms. A 64x64 tile with three CTAs per SM ran faster still (BERT 0.0508) but
+# with a 12x larger error against SDPA than every other tile (1.8e-4 against 1.5e-5), unexplained: left out.
 TUNE_CANDIDATES = {
     "sm90": [
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),

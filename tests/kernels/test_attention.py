@@ -478,8 +478,11 @@ GPU_CASES = {
 
 def gpu_case_enabled(dtype, case, variant="sm90"):
     """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one, and not for sm90-plain or sm90-ctas
-    (fp32 always runs its own config). Each is a compiled kernel."""
+    (fp32 always runs its own config); sm90-ctas only at head dims with such a candidate. Each is a compiled
+    kernel."""
     if dtype == torch.float32 and variant in ("sm90-plain", "sm90-ctas"):
+        return False
+    if variant == "sm90-ctas" and _two_ctas("sm90", GPU_CASES[case][5]) is None:
         return False
     if dtype == torch.float16:
         return True
@@ -494,8 +497,13 @@ def gpu_variant_config(variant, dtype, dim):
     if overrides is None or dtype == torch.float32:
         return arch, None
     if overrides == TWO_CTAS:
-        return arch, next(c for c in A.tune_candidates(arch, dim) if c.get("min_blocks", 1) > 1)
+        return arch, _two_ctas(arch, dim)
     return arch, {**A.DEFAULT_CONFIGS[(arch, dim)], **overrides}
+
+
+def _two_ctas(arch, dim):
+    """The tuning candidate of `arch` at head dim `dim` that asks for several CTAs per SM (None: it has none)."""
+    return next((c for c in A.tune_candidates(arch, dim) if c.get("min_blocks", 1) > 1), None)
 
 
 def _gpu_mask(kind, b, hq, sq, skv):
