@@ -4,6 +4,7 @@ decomposed so the fusions see them, and in training the fused ops' backward reco
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -265,3 +266,58 @@ def test_training_graphs_go_through_aot_autograd_without_inductor(tmp_path, monk
     x.grad = None
     model(x).sum().backward()
     torch.testing.assert_close(want, x.grad, rtol=1e-5, atol=1e-5)
+
+
+@contextlib.contextmanager
+def _sdpa_traced_as_cudnn():
+    """aten SDPA as torch runs it on Hopper, where it prefers cuDNN for a masked half-precision call: the bool
+    mask becomes Where(Not(mask), -65504, 0) added to the scores (a finite fill, no mask). Traces record that;
+    calls compute it (finite fills: a fully masked row attends to every key)."""
+    def cudnn_style(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask.logical_not(), -65504.0, 0.0).to(q.dtype)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return torch.softmax(q @ k.transpose(-2, -1) * scale + attn_mask, -1) @ v
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib.impl("scaled_dot_product_attention", cudnn_style, "CompositeImplicitAutograd")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sdpa_stays_whole_in_inference_whatever_kernel_torch_would_trace(device: str) -> None:
+    """In inference the backend keeps each SDPA one op with its bool mask (tkopt.frontends.sdpa_op), so the causal
+    And padding mask of a transformers decoder splits into causal=1 and the (b, 1, 1, s) padding even where
+    tracing SDPA gives cuDNN's finite-fill bias, which no pass may split (on the H200 the node kept the whole
+    bias, ran its slow path and was declined). On the CPU that trace is emulated, a left-padded row (fully masked
+    query rows: 0, SDPA's documented semantics) included; on CUDA it is torch's own, fp16 (where Hopper prefers
+    cuDNN), right-padded (no fully masked row: there torch's cuDNN path has semantics of its own)."""
+    from tkopt.frontends.sdpa_op import OP
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch._dynamo.reset()
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    # head dim 64: one the GPU kernels take
+    lm = tiny_model("gpt2", "AutoModelForCausalLM", num_hidden_layers=1, hidden_size=256).to(device, dtype)
+    backend = make_backend(select="all", inductor=False)
+    x, keep = torch.randint(1, 100, (2, 16), device=device), torch.ones(2, 16, dtype=torch.int64, device=device)
+    keep[0, :4 if device == "cpu" else -4:] = 0
+    traced = _sdpa_traced_as_cudnn() if device == "cpu" else contextlib.nullcontext()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = lm(input_ids=x, attention_mask=keep, use_cache=False).logits
+        with traced:
+            got = torch.compile(lm, backend=backend)(input_ids=x, attention_mask=keep, use_cache=False).logits
+    [gm] = backend.graph_modules
+    [fused] = [n for n in gm.graph.nodes if "fused_attention" in str(n.target)]
+    causal, mask = fused.args[5], fused.args[3].meta["val"]
+    assert causal == 1 and tuple(mask.shape) == (2, 1, 1, 16), (fused.args, mask.shape)
+    assert not gm.graph.find_nodes(op="call_function", target=OP), "the graph's one SDPA was fused"
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)

@@ -50,6 +50,7 @@ from tkopt.backends.inductor import InductorOrEager
 from tkopt.cuda_graphs import GraphCache, capturable, signature
 from tkopt.frontends.decompositions import TRACE_DECOMPOSITIONS, ensure_fake_impls
 from tkopt.frontends.fx import import_fx, node_val
+from tkopt.frontends.sdpa_op import keep_sdpa_whole
 from tkopt.gc_pause import gc_paused
 from tkopt.pipeline import optimize
 from tkopt.targets.torch_target import TorchTarget, first_device
@@ -158,13 +159,15 @@ def replay_as_cuda_graphs(fn: Callable[..., Any], owner: fx.GraphModule) -> Call
     return run
 
 
-def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+def aten_forward(gm: fx.GraphModule, example_inputs: Sequence[Any], inference: bool = False) -> fx.GraphModule:
     """Dynamo's torch-level graph as a functional aten graph of its forward (no autograd recorded), torch's
-    fused fast paths decomposed: the graph tkopt fuses. Traced on Dynamo's fake inputs (their symbolic
-    shapes), in their fake mode; a graph without them is traced on fakes of `example_inputs`. Dead nodes
-    (the detach make_fx records for each tensor autograd would save) are dropped: they read intermediates."""
+    fused fast paths decomposed: the graph tkopt fuses. With `inference` (no backward will be recorded) SDPA
+    stays one op with its documented mask semantics (tkopt.frontends.sdpa_op), as in torch.export's graphs.
+    Traced on Dynamo's fake inputs (their symbolic shapes), in their fake mode; a graph without them is traced
+    on fakes of `example_inputs`. Dead nodes (the detach make_fx records for each tensor autograd would save)
+    are dropped: they read intermediates."""
     fakes = [node_val(p) for p in gm.graph.find_nodes(op="placeholder")]
-    functional = torch.func.functionalize(gm)
+    functional = torch.func.functionalize(keep_sdpa_whole(gm) if inference else gm)
     if any(v is None for v in fakes):
         traced = make_fx(functional, decomposition_table=TRACE_DECOMPOSITIONS, tracing_mode="fake")(
             *example_inputs)
@@ -213,9 +216,10 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         specialize_float_inputs(gm)
         on_gpu = first_device(example_inputs).type == "cuda"
-        use_inductor = (on_gpu if inductor is None else inductor) and not needs_autograd(example_inputs)
-        optimized, run = optimize_graph_module(aten_forward(gm, example_inputs), disabled, example_inputs, select,
-                                               cuda_graphs, plain=gm, inductor=use_inductor)
+        inference = not needs_autograd(example_inputs)
+        use_inductor = (on_gpu if inductor is None else inductor) and inference
+        optimized, run = optimize_graph_module(aten_forward(gm, example_inputs, inference), disabled, example_inputs,
+                                               select, cuda_graphs, plain=gm, inductor=use_inductor)
         if run is not None:  # inductor's program, or a plain alternative that measured faster
             backend.graph_modules.append(optimized)
             return run

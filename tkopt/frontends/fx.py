@@ -420,7 +420,7 @@ class FxImporter:
         if not (_is_tensor(val) or _is_multi(val)):
             return  # SymInt arithmetic, guards, assertions: stay FX-only
         mapped = None
-        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten":
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in ("aten", "tkopt"):
             name = _unobserved_in_place(node) or node.target.overloadpacket.__name__
             handler = HANDLERS.get(name)
             if handler is not None:
