@@ -253,7 +253,20 @@ def profile(fn: Callable[[], Any], calls: int = 5) -> dict[str, Any]:
     return {"families": per_family, "top": kernels[:12]}
 
 
+DYNAMO_VARIANTS = ("inductor", "inductor_cudagraphs", "tkopt_backend")
+
+
+def _dynamo_graphs() -> int:
+    """How many graphs Dynamo has compiled since its last reset."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:
+    """One model's row. Dynamo starts afresh: the transformers models share LastHidden.forward, one code object,
+    whose cache entries across models reached Dynamo's recompile limit within one run (H200, 2026-12-02: from
+    the third model on, every torch.compile variant ran eagerly, silently). A Dynamo variant that compiles no
+    graph is an error, not a number."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = m.module()
     half = [m.cast_inputs() for _ in range(2)]
@@ -269,11 +282,14 @@ def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dic
             try:
                 t0 = time.perf_counter()
                 first = tuple(m.compile_inputs()) if m.compile_inputs else inputs
+                graphs = _dynamo_graphs()
                 fn = make_variant(name, model, first)
                 if m.compile_inputs:
                     fn(*first)
                 got = fn(*inputs)
                 _sync()
+                if name in DYNAMO_VARIANTS and _dynamo_graphs() == graphs:
+                    raise RuntimeError("Dynamo compiled no graph: the variant ran eagerly (a recompile limit?)")
                 v["first_call_s"] = time.perf_counter() - t0
                 err = (got.float() - want).abs().max().item()
                 v["max_rel_err"] = err / max(want.abs().max().item(), 1e-30)

@@ -65,3 +65,30 @@ def test_a_model_served_at_another_size_is_called_at_its_compile_size_first_then
     assert "error" not in row["variants"]["eager"], row["variants"]["eager"]
     first = seen.index((2, 3, 4))
     assert seen[first + 1] == (1, 8, 4) and set(seen[first + 1:]) == {(1, 8, 4)}
+
+
+
+class _Shared(__import__("torch").nn.Linear):
+    """Models of one class: one forward code object, as the transformers models' LastHidden wrapper."""
+
+
+def test_every_model_gets_a_fresh_dynamo_and_a_variant_that_ran_eagerly_is_an_error(monkeypatch) -> None:
+    """Two models sharing a forward code object under a recompile limit of 1: each model's torch.compile variant
+    compiles (Dynamo is reset per model); without the reset the second one runs eagerly, and its row says so."""
+    import torch
+
+    wm = _bench_module()
+    wm.DTYPE = torch.float32
+    args = argparse.Namespace(runs=2, warmup=1, warm_s=0.0, profile=False, rounds=0)
+    ceil = {"tflops": 1.0, "copy_tb_s": 1.0}
+
+    def rows() -> list[dict]:
+        models = [wm.Model(f"m{i}", lambda: _Shared(4, 4), lambda: (torch.randn(2, 4),)) for i in range(2)]
+        return [wm.run_model(m, ["eager", "inductor"], args, ceil)["variants"]["inductor"] for m in models]
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert all("error" not in v for v in rows())
+        monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+        first, second = rows()
+    assert "error" not in first or "no graph" in first["error"]
+    assert "Dynamo compiled no graph" in second.get("error", ""), second

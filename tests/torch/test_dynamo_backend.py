@@ -5,6 +5,7 @@ decomposed so the fusions see them, and in training the fused ops' backward reco
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -311,7 +312,10 @@ def test_sdpa_stays_whole_in_inference_whatever_kernel_torch_would_trace(device:
     traced = _sdpa_traced_as_cudnn() if device == "cpu" else contextlib.nullcontext()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        want = lm(input_ids=x, attention_mask=keep, use_cache=False).logits
+        # SDPA's documented semantics, in float32 through its math kernel. Against fp16 eager on the H200 (cuDNN)
+        # this case differed by up to 0.79 (2026-12-02), not yet explained: the reference decides which is wrong.
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            want = copy.deepcopy(lm).float()(input_ids=x, attention_mask=keep, use_cache=False).logits
         with traced:
             got = torch.compile(lm, backend=backend)(input_ids=x, attention_mask=keep, use_cache=False).logits
     [gm] = backend.graph_modules
@@ -320,4 +324,4 @@ def test_sdpa_stays_whole_in_inference_whatever_kernel_torch_would_trace(device:
     assert causal == 1 and tuple(mask.shape) == (2, 1, 1, 16), (fused.args, mask.shape)
     assert not gm.graph.find_nodes(op="call_function", target=OP), "the graph's one SDPA was fused"
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got.float(), want, **tol)
