@@ -576,18 +576,22 @@ def test_gpu_mha_projection_heads_read_in_place(variant):
 
 
 @pytest.mark.gpu
-def test_gpu_packed_qkv_heads_read_in_place():
+@pytest.mark.parametrize("s", [333, 16])
+def test_gpu_packed_qkv_heads_read_in_place(s):
     """GPT-2's q / k / v, heads of one packed projection (rows 3 * H * D apart), read in place by the sm90
-    program through run-time strides, causal with a key padding mask and without, lengths off the tile."""
+    program through run-time strides, causal with a key padding mask and without, lengths off the tile; at 16
+    keys every CTA has one partial key block (the backend's tiny decoder on the H200, 2026-12-02), the last batch
+    row keeping every key (the Kept path) and the first right-padded."""
     major, _ = torch.cuda.get_device_capability()
     if major != 9:
         pytest.skip("sm90 variant needs a Hopper GPU")
     torch.manual_seed(14)
-    b, s, h, d = 3, 333, 12, 64
+    b, h, d = 3, 12, 64
     qkv = torch.randn(b, s, 3 * h * d, dtype=torch.float16, device="cuda")
     q, k, v = (t.view(b, s, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=2))
     assert A.kernel_layouts(q, k, v, "bhsd", strided=True)[0] == ("bshd", "bshd", "bshd", "bhsd")
     keys = torch.rand(b, 1, 1, s, device="cuda") > 0.2
+    keys[0, ..., -4:], keys[-1] = False, True
     for variant in ("sm90", "sm90-ctas"):
         config = gpu_variant_config(variant, torch.float16, d)[1]
         for causal, mask in ((True, keys), (True, None), (False, keys)):
