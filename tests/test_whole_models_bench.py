@@ -9,6 +9,9 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+from torch import nn
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "whole_models.py"
 
 
@@ -46,9 +49,6 @@ def test_one_variant_or_no_rounds_keeps_the_sequential_timing() -> None:
 
 
 def test_a_model_served_at_another_size_is_called_at_its_compile_size_first_then_timed_at_the_served_size() -> None:
-    import torch
-    from torch import nn
-
     wm = _bench_module()
     wm.DTYPE = torch.float32  # as the script's --device cpu smoke run
     seen: list[tuple[int, ...]] = []
@@ -67,16 +67,13 @@ def test_a_model_served_at_another_size_is_called_at_its_compile_size_first_then
     assert seen[first + 1] == (1, 8, 4) and set(seen[first + 1:]) == {(1, 8, 4)}
 
 
-
-class _Shared(__import__("torch").nn.Linear):
+class _Shared(nn.Linear):
     """Models of one class: one forward code object, as the transformers models' LastHidden wrapper."""
 
 
 def test_every_model_gets_a_fresh_dynamo_and_a_variant_that_ran_eagerly_is_an_error(monkeypatch) -> None:
     """Two models sharing a forward code object under a recompile limit of 1: each model's torch.compile variant
     compiles (Dynamo is reset per model); without the reset the second one runs eagerly, and its row says so."""
-    import torch
-
     wm = _bench_module()
     wm.DTYPE = torch.float32
     args = argparse.Namespace(runs=2, warmup=1, warm_s=0.0, profile=False, rounds=0)

@@ -2,12 +2,12 @@
 
 aten.scaled_dot_product_attention is a composite op: traced to aten, it becomes the kernel torch picks for
 the tracing device, with the mask rewritten for that kernel. On the CPU the bool mask stays as it is; on
-CUDA the efficient kernel gets Where(Not(mask), -inf, 0), padded to 8 keys; and on Hopper and Blackwell,
-where torch prefers cuDNN for a masked fp16/bf16 call, cuDNN gets Where(Not(mask), -65504, 0), a finite
-fill. That last bias is no mask: added to scores it equals the mask only while every score stays far above
--65504 (adversarial inputs break that), so no pass may read a causal or key padding structure out of it,
-and the node kept the whole (B, H, S, S) bias: the H200's GPT-2 attention ran 0.187 ms fused against 0.121
-unfused and was declined.
+CUDA the efficient kernel gets Where(Not(mask), -inf, 0), padded to its alignment; and on Hopper and
+Blackwell, where torch prefers cuDNN for a masked fp16/bf16 call, torch's conversion for cuDNN is
+Where(Not(mask), -65504, 0), a finite fill. That bias is no mask: added to scores it equals the mask only
+while every score stays far above -65504 (adversarial inputs break that), so no pass may read a causal or
+key padding structure out of it. On the H200 (2026-12-02) the backend's nodes kept a whole (B, H, S, S)
+mask: GPT-2's attention ran 0.187 ms fused against 0.121 unfused and was declined.
 
 torch.export keeps SDPA whole with its documented semantics (a bool mask keeps where True, -inf
 elsewhere). The backend does the same in inference: each F.scaled_dot_product_attention in Dynamo's graph is
@@ -29,26 +29,17 @@ Tensor = torch.Tensor
 aten = torch.ops.aten
 
 
-@torch.library.custom_op("tkopt::scaled_dot_product_attention", mutates_args=())
-def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> Tensor:
-    """aten.scaled_dot_product_attention, as one op."""
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    """aten.scaled_dot_product_attention, as one op; its fake implementation too: on fakes aten picks the kernel
+    for their device, whose output has the strides the real call's has."""
     return aten.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                              enable_gqa=enable_gqa)
 
 
-@scaled_dot_product_attention.register_fake
-def _(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
-    # aten's own SDPA on the fakes: the kernel it picks for their device gives the output the strides the real
-    # call's output has.
-    return aten.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                             enable_gqa=enable_gqa)
-
-
+torch.library.custom_op("tkopt::scaled_dot_product_attention", _sdpa, mutates_args=()).register_fake(_sdpa)
 OP = torch.ops.tkopt.scaled_dot_product_attention.default
-_SIGNATURE = inspect.signature(scaled_dot_product_attention)
+_SIGNATURE = inspect.signature(_sdpa)
 
 
 def keep_sdpa_whole(gm: fx.GraphModule) -> fx.GraphModule:
