@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tkopt.measure import Timer, compare, race
+from tkopt.measure import Timer, _burst, compare, race
 
 
 def _recorder(calls: list[str], name: str, seconds: float = 0.0):
@@ -82,3 +82,10 @@ def test_race_on_cuda_times_a_variant_at_its_loops_steady_state() -> None:
     out = race({"cold start": cold_start}, "cuda", runs=10)
     # the fastest turn: GPU tests share the device, and every turn timed from an idle device includes the sleep
     assert out["cold start"].min_ms <= 1.2 * loop_ms, (out, loop_ms)
+
+
+def test_a_race_burst_lasts_its_turn_whatever_a_call_costs() -> None:
+    """A sub-millisecond model's burst grows until the turn lasts `turn_ms`; a slow model keeps the least burst."""
+    assert _burst(0.23, 4, 3.0) == 14
+    assert _burst(5.0, 4, 3.0) == 4
+    assert _burst(0.0, 4, 3.0) == 64
