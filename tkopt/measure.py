@@ -129,7 +129,7 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
         for name in names:
             fns[name]()
         done += 1
-    bursts = {name: _burst(_turn(fns[name], device, lead, burst), burst, turn_ms) if cuda else 1 for name in names}
+    bursts = {name: _burst(_turn(fns[name], device, lead, burst), burst, turn_ms) for name in names} if cuda else {}
     samples: dict[str, list[float]] = {name: [] for name in names}
     t0 = time.perf_counter()
     for r in range(runs):

@@ -312,8 +312,8 @@ def test_sdpa_stays_whole_in_inference_whatever_kernel_torch_would_trace(device:
     traced = _sdpa_traced_as_cudnn() if device == "cpu" else contextlib.nullcontext()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # SDPA's documented semantics, in float32 through its math kernel. Against fp16 eager on the H200 (cuDNN)
-        # this case differed by up to 0.79 (2026-12-02), not yet explained: the reference decides which is wrong.
+        # SDPA's documented semantics, in float32 through its math kernel, not fp16 eager: on the H200 (cuDNN)
+        # eager was the side off, by up to 0.79, while the backend's output met this tolerance (2026-12-02).
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
             want = copy.deepcopy(lm).float()(input_ids=x, attention_mask=keep, use_cache=False).logits
         eager_err = (lm(input_ids=x, attention_mask=keep, use_cache=False).logits.float() - want).abs().max().item()
