@@ -54,6 +54,8 @@ def test_race_on_cuda_shows_a_variants_launch_cost_whatever_ran_before_it() -> N
 
     out = race({"gpu": gpu_heavy, "host": host_heavy}, "cuda", runs=10)
     assert out["host"].median_ms >= 1.8, out
+    # and each says what the CPU spent: all of the host-bound call, a sliver of the GPU-bound one
+    assert out["host"].host_ms >= 1.8 and out["gpu"].host_ms < out["gpu"].median_ms / 4, out
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 
 import onnx
@@ -17,7 +18,7 @@ from tkopt.measure import Timing
 from tkopt.models.blocks import REFERENCE_MODELS
 from tkopt.models.export import export_onnx
 from tkopt.pipeline import MARGIN, UNFUSED, _apply, _entry, _wins, resolve_select
-from tkopt.report import NodeDecision
+from tkopt.report import NodeDecision, WholeGraph
 from tkopt.targets import Measured
 from tkopt.targets.ort_target import OrtTarget
 from tkopt.targets.torch_target import TorchTarget
@@ -262,8 +263,8 @@ def test_the_programs_that_need_no_kernel_are_readied_while_kernels_build(cache_
         torch.testing.assert_close(target.runner(result.emitted)(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
 
 
-def _timing(ms: float) -> Timing:
-    return Timing(ms, ms, ms, 3, 1, "perf_counter", ms)
+def _timing(ms: float, host_ms: float = math.nan) -> Timing:
+    return Timing(ms, ms, ms, 3, 1, "cuda_events", ms, host_ms)
 
 
 def test_a_fusion_is_kept_only_by_a_clear_margin_at_every_size() -> None:
@@ -288,8 +289,8 @@ def test_a_fusion_is_kept_only_by_a_clear_margin_at_every_size() -> None:
 class _Timed:
     """A target's whole-graph surface with given race times, for the winner's rule alone."""
 
-    def __init__(self, times: dict[str, float]) -> None:
-        self.times = times
+    def __init__(self, times: dict[str, float], hosts: dict[str, float] | None = None) -> None:
+        self.times, self.hosts = times, hosts or {}
 
     def alternatives(self) -> list[str]:
         return [k for k in self.times if k not in ("tkopt", UNFUSED)]
@@ -298,7 +299,7 @@ class _Timed:
         return sorted(self.times.items())
 
     def compare_whole(self, graph, programs) -> dict[str, Timing]:
-        return {k: _timing(ms) for k, ms in self.times.items()}
+        return {k: _timing(ms, self.hosts.get(k, math.nan)) for k, ms in self.times.items()}
 
 
 @pytest.mark.parametrize(("fused", "times", "winner"), [
@@ -322,6 +323,29 @@ def test_whole_graph_ties_go_to_the_plain_model_only_against_fusions(cache_dir, 
     programs = {k: object() for k in times if k in ("tkopt", UNFUSED)}
     w = _whole(graph, _Timed(times), programs, DecisionCache("test", {}))
     assert w.winner == winner and w.times_ms == times
+
+
+@pytest.mark.parametrize(("hosts", "winner"), [
+    ({"tkopt": 0.02, "eager": 0.22}, "tkopt"),  # eager issues its calls at the GPU's pace: the CPU decides
+    ({"tkopt": 0.02, "eager": 0.12}, "eager"),  # eager's CPU keeps well ahead: its timed call stands
+    ({}, "eager"),  # no CPU times (a CPU race): the timed calls alone
+])
+def test_whole_graph_weighs_an_alternatives_cpu_time_where_it_sets_the_pace(cache_dir, hosts, winner) -> None:
+    """An alternative 5% faster in the race loses to tkopt's CUDA-graph program when its CPU time per call is
+    near its call time (the encoder layer on the H200: Dynamo's graph raced at 0.231 ms, tkopt's program at
+    0.242, and Dynamo's graph then ran at 0.25-0.60 ms in a loop)."""
+    from tkopt.decisions import DecisionCache
+    from tkopt.ir import FUSED_DOMAIN, Graph
+    from tkopt.pipeline import _whole
+
+    graph = Graph("g")
+    graph.nodes = [Node("FusedGemm", [], [], name="n", domain=FUSED_DOMAIN)]
+    times = {"tkopt": 0.242, "eager": 0.231}
+    target, cache = _Timed(times, hosts), DecisionCache("test", {})
+    w = _whole(graph, target, {"tkopt": object()}, cache)
+    assert w.winner == winner and w.host_ms == hosts, w
+    target.compare_whole = None  # the second decision reads the cache, CPU times too
+    assert _whole(graph, target, {"tkopt": object()}, cache) == WholeGraph(winner, times, hosts, cached=True)
 
 
 def test_select_needs_something_to_measure_on(tmp_path) -> None:

@@ -27,13 +27,15 @@ class Timing:
     warmup: int
     method: str  # "perf_counter" or "cuda_events"
     min_ms: float = math.nan  # the fastest call: what decisions compare (see `compare`)
+    host_ms: float = math.nan  # the CPU's time to issue one call (`race` on CUDA; see `_turn`)
 
     @classmethod
-    def of(cls, samples_ms: list[float], warmup: int, method: str) -> Timing:
+    def of(cls, samples_ms: list[float], warmup: int, method: str, host_ms: list[float] = ()) -> Timing:
         q = np.percentile(samples_ms, [10, 90]) if samples_ms else [math.nan, math.nan]
         med = statistics.median(samples_ms) if samples_ms else math.nan
         low = min(samples_ms) if samples_ms else math.nan
-        return cls(float(med), float(q[0]), float(q[1]), len(samples_ms), warmup, method, float(low))
+        host = statistics.median(host_ms) if host_ms else math.nan
+        return cls(float(med), float(q[0]), float(q[1]), len(samples_ms), warmup, method, float(low), float(host))
 
 
 def _on_cuda(device: Any) -> bool:
@@ -120,7 +122,8 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
     calls do not bring them back (an eager module read 0.364 ms first and 0.228 ms later in one run). Rounds
     stop after `max_seconds` (at least 5). A burst lasts at least `turn_ms` (up to 64 calls): four calls of a
     0.23 ms encoder layer timed its eager module 6% slower than its loop did, and the race kept a fused program
-    that the loop then ran 7% slower than eager."""
+    that the loop then ran 7% slower than eager. On CUDA each Timing also holds `host_ms`, the CPU's time per
+    call (`_turn`): where that comes near the call's time, the loop runs at the CPU's pace, not the GPU's."""
     cuda = _on_cuda(device)
     names = list(fns)
     t0 = time.perf_counter()
@@ -129,16 +132,22 @@ def race(fns: Mapping[str, Callable[[], Any]], device: Any = "cpu", runs: int = 
         for name in names:
             fns[name]()
         done += 1
-    bursts = {name: _burst(_turn(fns[name], device, lead, burst), burst, turn_ms) for name in names} if cuda else {}
+    bursts = {name: _burst(_turn(fns[name], device, lead, burst)[0], burst, turn_ms) for name in names} if cuda else {}
     samples: dict[str, list[float]] = {name: [] for name in names}
+    hosts: dict[str, list[float]] = {name: [] for name in names}
     t0 = time.perf_counter()
     for r in range(runs):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            samples[name].append(_turn(fns[name], device, lead, bursts[name]) if cuda else _cpu_sample(fns[name]))
+            if cuda:
+                call_ms, host_ms = _turn(fns[name], device, lead, bursts[name])
+                samples[name].append(call_ms)
+                hosts[name].append(host_ms)
+            else:
+                samples[name].append(_cpu_sample(fns[name]))
         if r >= 4 and time.perf_counter() - t0 > max_seconds:
             break
-    return {name: Timing.of(samples[name], done, _method(cuda)) for name in names}  # `done` warm-up rounds
+    return {name: Timing.of(samples[name], done, _method(cuda), hosts[name]) for name in names}  # `done` warm-up rounds
 
 
 def _burst(call_ms: float, least: int, turn_ms: float, most: int = 64) -> int:
@@ -146,20 +155,26 @@ def _burst(call_ms: float, least: int, turn_ms: float, most: int = 64) -> int:
     return min(most, max(least, math.ceil(turn_ms / max(call_ms, 1e-3))))
 
 
-def _turn(fn: Callable[[], Any], device: Any, lead: int, burst: int) -> float:
-    """Milliseconds per call of `burst` calls of `fn` after `lead` untimed ones, back to back from an idle device."""
+def _turn(fn: Callable[[], Any], device: Any, lead: int, burst: int) -> tuple[float, float]:
+    """(milliseconds per call of `burst` calls of `fn` after `lead` untimed ones, back to back from an idle
+    device; the CPU's milliseconds per call). The CPU's time is the lesser of two readings that can each only
+    overstate it: issuing the first lead call (nothing queued, so nothing blocks it, but it may pay a cold
+    start) and issuing the burst (steady, but it blocks once the launch queue is full)."""
     import torch
 
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(lead):
+    first_ms = _cpu_sample(fn)
+    for _ in range(lead - 1):
         fn()
     start.record()
+    t0 = time.perf_counter()
     for _ in range(burst):
         fn()
+    issued_ms = (time.perf_counter() - t0) * 1e3 / burst
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / burst
+    return start.elapsed_time(end) / burst, min(first_ms, issued_ms)
 
 
 def time_calls(fn: Callable[[], Any], runs: int, warmup: int) -> Timing:

@@ -53,6 +53,7 @@ class WholeGraph:
 
     winner: str  # "tkopt", "tkopt unfused" (its program with every fusion put back) or the alternative that was faster
     times_ms: dict[str, float]  # variant -> its median call, variants in rotating turns (tkopt.measure.race)
+    host_ms: dict[str, float] = field(default_factory=dict)  # variant -> the CPU's time per call, where timed
     cached: bool = False
     note: str = ""
 
@@ -155,7 +156,8 @@ class Report:
         elif self.whole_graph is not None:
             w = self.whole_graph
             ordered = sorted(w.times_ms.items(), key=lambda kv: kv[0] != "tkopt")
-            times = ", ".join(f"{k} {v:.3f} ms" for k, v in ordered)
+            times = ", ".join(f"{k} {v:.3f} ms" + (f" (CPU {w.host_ms[k]:.3f})" if k in w.host_ms else "")
+                              for k, v in ordered)
             console.print(f"whole graph: {times}: [bold]{w.winner}[/bold] runs" + (" (cached)" if w.cached else "")
                           + (f"; {w.note}" if w.note else ""))
         if p.edits:
