@@ -72,18 +72,28 @@ def test_race_on_cuda_times_a_variant_at_its_loops_steady_state() -> None:
         for _ in range(4):
             x @ x
 
+    # GPU tests share the device, and another process's kernels only ever add time: one attempt of three in
+    # which the race's fastest turn comes near the loop shows the property (every turn timed from an idle
+    # device would include the sleep).
+    for _ in range(3):
+        loop_ms = _loop_ms(cold_start, 50)
+        out = race({"cold start": cold_start}, "cuda", runs=10)
+        if out["cold start"].min_ms <= 1.2 * loop_ms:
+            break
+    assert out["cold start"].min_ms <= 1.2 * loop_ms, (out, loop_ms)
+
+
+def _loop_ms(fn, calls: int) -> float:
+    """Milliseconds per call of `calls` back-to-back calls of `fn`, after five untimed ones."""
     for _ in range(5):
-        cold_start()
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(50):
-        cold_start()
+    for _ in range(calls):
+        fn()
     end.record()
     end.synchronize()
-    loop_ms = start.elapsed_time(end) / 50
-    out = race({"cold start": cold_start}, "cuda", runs=10)
-    # the fastest turn: GPU tests share the device, and every turn timed from an idle device includes the sleep
-    assert out["cold start"].min_ms <= 1.2 * loop_ms, (out, loop_ms)
+    return start.elapsed_time(end) / calls
 
 
 def test_a_race_burst_lasts_its_turn_whatever_a_call_costs() -> None:
