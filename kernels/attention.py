@@ -543,7 +543,14 @@ def gpu_program(
 
     @T.macro
     def body(Q, K, V, Mask, Kept, Output):
-        with T.Kernel(T.ceildiv(seq_q, block_M), heads_q, batch, threads=threads) as (bx, by, bz):
+        # Causal: CTA bx has bx + 1 key blocks' work, so the longest go first (heads and batch vary fastest,
+        # the query block slowest, last first) and the short ones fill the last wave, as FA3 schedules it;
+        # in launch order the last wave held the heaviest CTAs of the last heads. Without causality every
+        # CTA has the same work, and a head's query blocks stay adjacent (they share its K/V in L2).
+        n_q = T.ceildiv(seq_q, block_M)
+        grid = (heads_q, batch, n_q) if causal else (n_q, heads_q, batch)
+        with T.Kernel(*grid, threads=threads) as (g0, g1, g2):
+            bx, by, bz = (n_q - 1 - g2, g0, g1) if causal else (g0, g1, g2)
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
                 producer, consumer = _register_split(threads, min_blocks)
