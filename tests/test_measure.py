@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tkopt.measure import Timer, _burst, compare, race
+from tkopt.measure import Timer, Timing, _burst, compare, per_call, race
 
 
 def _recorder(calls: list[str], name: str, seconds: float = 0.0):
@@ -101,3 +101,25 @@ def test_a_race_burst_lasts_its_turn_whatever_a_call_costs() -> None:
     assert _burst(0.23, 4, 3.0) == 14
     assert _burst(5.0, 4, 3.0) == 4
     assert _burst(0.0, 4, 3.0) == 64
+
+
+def test_per_call_divides_every_time_of_a_replay_by_its_calls() -> None:
+    t = Timing(8.0, 4.0, 12.0, 5, 1, "cuda_events", 2.0, 0.8)
+    f, u = per_call((t, t), 4)
+    assert (f.median_ms, f.p10_ms, f.p90_ms, f.min_ms, f.host_ms) == (2.0, 1.0, 3.0, 0.5, 0.2) and f == u
+    assert f.runs == 5 and per_call((t, t), 1) == (t, t)
+
+
+@pytest.mark.gpu
+def test_a_small_nodes_replay_holds_several_calls_so_its_time_is_not_a_launch() -> None:
+    """A kernel of a few microseconds, replayed alone, times mostly the graph launch's latency; replayed as
+    several calls in one graph, each call costs what it would inside a program's graph."""
+    from tkopt.targets.torch_target import replayed
+
+    x = torch.randn(4096, device="cuda")
+    (one,), calls = replayed([lambda: x * 2], torch.device("cuda"), calls=1)
+    (many,), calls = replayed([lambda: x * 2], torch.device("cuda"))
+    timer = Timer("cuda", runs=20, warmup=2)
+    alone, t = timer(one), timer(many)
+    each = per_call((t, t), calls)[0]
+    assert calls > 1 and each.min_ms < alone.min_ms, (calls, each, alone)

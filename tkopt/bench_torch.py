@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from tkopt.accuracy import output_error
 from tkopt.bench import BenchResult, NodeBench
 from tkopt.ir import Graph
-from tkopt.measure import Timer, Timing
+from tkopt.measure import Timer, Timing, per_call
 
 
 def _device_name(device: torch.device) -> str:
@@ -146,8 +146,9 @@ def torch_node_rows(graph: Graph, example_inputs: Sequence[Any], timer: Callable
             ins = schema(n.op).padded(ins)
             got = _as_list(op(*ins, *attrs))[: len(n.outputs)]
             want = _as_list(tiny(*tiny_args))
-            row.fused = timer(replayed(lambda op=op, ins=ins, attrs=attrs: op(*ins, *attrs), device))
-            row.unfused = timer(replayed(lambda tiny=tiny, a=tiny_args: tiny(*a), device))
+            (fused_fn, unfused_fn), calls = replayed([lambda op=op, ins=ins, attrs=attrs: op(*ins, *attrs),
+                                                      lambda tiny=tiny, a=tiny_args: tiny(*a)], device)
+            row.fused, row.unfused = per_call((timer(fused_fn), timer(unfused_fn)), calls)
             row.outputs = [output_error(v.name, g, w) for v, g, w in zip(n.outputs, got, want, strict=True)]
     return rows
 

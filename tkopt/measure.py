@@ -6,6 +6,7 @@ alternative) and by the benchmarks, so a number in a report and a number in a be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -205,6 +206,15 @@ def compare(fused: Callable[[], Any], unfused: Callable[[], Any], timer: Timer) 
         if len(f) >= timer.min_runs and min(f) > min(u) or timer.over(t0, len(f)):
             break
     return Timing.of(f, timer.warmup, timer.method), Timing.of(u, timer.warmup, timer.method)
+
+
+def per_call(pair: tuple[Timing, Timing], calls: int) -> tuple[Timing, Timing]:
+    """`pair` (as `compare` returns it) timed over replays of `calls` calls each, as times per call."""
+    if calls == 1:
+        return pair
+    return tuple(dataclasses.replace(t, median_ms=t.median_ms / calls, p10_ms=t.p10_ms / calls,
+                                     p90_ms=t.p90_ms / calls, min_ms=t.min_ms / calls,
+                                     host_ms=t.host_ms / calls) for t in pair)
 
 
 def speedup(base: Timing | None, other: Timing | None) -> float | None:
