@@ -17,7 +17,7 @@ from tkopt.ir import Node
 from tkopt.measure import Timing
 from tkopt.models.blocks import REFERENCE_MODELS
 from tkopt.models.export import export_onnx
-from tkopt.pipeline import MARGIN, UNFUSED, _apply, _entry, _wins, resolve_select
+from tkopt.pipeline import MARGIN, UNFUSED, _apply, _entry, _wins, loop_times, resolve_select
 from tkopt.report import NodeDecision, WholeGraph
 from tkopt.targets import Measured
 from tkopt.targets.ort_target import OrtTarget
@@ -71,7 +71,8 @@ def _check_measured(report, alternatives: set[str]) -> None:
             assert won and w.winner != "tkopt" and d.reason == f"the whole graph ran faster as {w.winner}", d
         else:
             assert d.decision in ("kept", "slower") and (d.decision == "kept") == won, d
-    assert w.winner == "tkopt" or "tkopt" not in w.times_ms or w.times_ms[w.winner] < w.times_ms["tkopt"] * 1.02
+    loop = loop_times(w)  # a tiny model's CUDA-graph programs are host-bound too: their CPU times count
+    assert w.winner == "tkopt" or "tkopt" not in loop or loop[w.winner] < loop["tkopt"] * 1.02
 
 
 def _measured_nothing(w) -> bool:

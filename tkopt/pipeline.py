@@ -268,6 +268,12 @@ def unfused_view(graph: Graph) -> Graph:
     return view
 
 
+def loop_times(w: WholeGraph) -> dict[str, float]:
+    """What the whole-graph decision compares: each variant's median call, or HOST_HEADROOM times its CPU time
+    per call where that is more (see HOST_HEADROOM)."""
+    return {k: max(ms, HOST_HEADROOM * w.host_ms.get(k, 0.0)) for k, ms in w.times_ms.items()}
+
+
 def _whole(graph: Graph, target: Target, programs: dict[str, Any], cache: DecisionCache) -> WholeGraph:
     """tkopt's programs ("tkopt", and UNFUSED where raced) against the target's plain alternatives (cached like
     node decisions). No program (no fusion kept, and the target's program adds nothing of its own): tkopt's
@@ -294,7 +300,7 @@ def _whole(graph: Graph, target: Target, programs: dict[str, Any], cache: Decisi
         return WholeGraph("tkopt", {}, note=f"not compared: {type(e).__name__}: {e}")
     times = {k: t.median_ms for k, t in timed.items()}
     hosts = {k: t.host_ms for k, t in timed.items() if not math.isnan(t.host_ms)}
-    loop = {k: max(ms, HOST_HEADROOM * hosts.get(k, 0.0)) for k, ms in times.items()}
+    loop = loop_times(WholeGraph("", times, hosts))
     best = min((k for k in loop if k not in programs), key=loop.__getitem__)
     ours = "tkopt"
     if UNFUSED in loop and loop[UNFUSED] < loop["tkopt"] * WHOLE_MARGIN:
