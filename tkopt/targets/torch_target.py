@@ -115,6 +115,8 @@ def replayed(fns: Sequence[Callable[[], Any]], device: torch.device, calls: int 
         if calls is None:
             ones = [capture(fn, device)[0] for fn in fns]
             calls = min(most, max(1, math.ceil(least_ms / max(min(map(_replay_ms, ones)), 1e-3))))
+            if calls == 1:
+                return [g.replay for g in ones], 1
         n = calls
         graphs = [capture(lambda fn=fn: [fn() for _ in range(n)], device)[0] for fn in fns]
     except Exception:  # noqa: BLE001 - uncapturable: time them as they are
