@@ -268,10 +268,10 @@ def unfused_view(graph: Graph) -> Graph:
     return view
 
 
-def loop_times(w: WholeGraph) -> dict[str, float]:
+def loop_times(times_ms: dict[str, float], host_ms: dict[str, float]) -> dict[str, float]:
     """What the whole-graph decision compares: each variant's median call, or HOST_HEADROOM times its CPU time
     per call where that is more (see HOST_HEADROOM)."""
-    return {k: max(ms, HOST_HEADROOM * w.host_ms.get(k, 0.0)) for k, ms in w.times_ms.items()}
+    return {k: max(ms, HOST_HEADROOM * host_ms.get(k, 0.0)) for k, ms in times_ms.items()}
 
 
 def _whole(graph: Graph, target: Target, programs: dict[str, Any], cache: DecisionCache) -> WholeGraph:
@@ -300,7 +300,7 @@ def _whole(graph: Graph, target: Target, programs: dict[str, Any], cache: Decisi
         return WholeGraph("tkopt", {}, note=f"not compared: {type(e).__name__}: {e}")
     times = {k: t.median_ms for k, t in timed.items()}
     hosts = {k: t.host_ms for k, t in timed.items() if not math.isnan(t.host_ms)}
-    loop = loop_times(WholeGraph("", times, hosts))
+    loop = loop_times(times, hosts)
     best = min((k for k in loop if k not in programs), key=loop.__getitem__)
     ours = "tkopt"
     if UNFUSED in loop and loop[UNFUSED] < loop["tkopt"] * WHOLE_MARGIN:

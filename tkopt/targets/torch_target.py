@@ -330,12 +330,8 @@ class TorchTarget(Target):
             # static code for these shapes, apart from a compile in progress
             with torch._guards.tracing(None), self._timed("selection: inductor compiles"):
                 compiled = inductor.compile_graph(tiny, tiny_args)
-            compiled_call = lambda: compiled(*tiny_args)  # noqa: E731 - compared by identity below
-            unfused = compiled_call
-            if fused is not fused_call:  # the fused op was captured: capture inductor's code alike
-                (unfused,), _ = replayed([compiled_call], self.device, calls)
-            if unfused is compiled_call:  # one of them cannot be captured: both as they are, one call each
-                fused, calls = fused_call, 1
+            # captured together, so both are replays of `calls` calls or both run as they are
+            (fused, unfused), calls = replayed([fused_call, lambda: compiled(*tiny_args)], self.device, calls)
             pair = per_call(compare(fused, unfused, self.node_timer), calls)
         except Exception as e:  # noqa: BLE001 - the entry point runs eager code where inductor fails
             warnings.warn(f"tkopt: inductor failed on what {n.name} ({n.op}) replaces at {label} "
