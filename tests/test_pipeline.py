@@ -400,7 +400,8 @@ def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) 
     report = fast.tkopt_report
     assert report.target == "torch-cuda"
     _check_measured(report, {"eager", "inductor"})
-    assert (fast.plain is None) == (report.whole_graph.winner == "tkopt")  # an alternative that won is what runs
+    # an alternative that won is what runs; tkopt's program, fused or with its fusions put back, runs as its own
+    assert (fast.plain is None) == (report.whole_graph.winner in ("tkopt", UNFUSED))
     print(report)
     # Per size (the example inputs, then a larger one: the export is dynamic), inductor compiled a node's
     # subgraph only where the fused op had beaten eager, and each timing but the last was a win.
