@@ -151,16 +151,27 @@ def _key_only(bcast: tuple[bool, bool, bool, bool]) -> bool:
     return bcast[1] and bcast[2]
 
 
-def _kept_rows(m: torch.Tensor, mask_kind: str, mask_keeps: bool) -> torch.Tensor:
-    """Per batch row of a key-only kernel mask m (uint8 or float, (B or 1, 1, 1, Skv or 1)), the value from which
-    the GPU program reads whether the row keeps every key (gpu_program's Kept): a bool mask's least value where
-    nonzero keeps (its greatest otherwise: `_keeps` of it), a float mask's largest magnitude (0: adds nothing;
-    NaN is not 0). One reduction kernel per call, in place of the mask's loads in every CTA of a row with no
-    padding."""
-    rows = m.reshape(m.shape[0], -1)
-    if mask_kind == "bool":
-        return rows.amin(1) if mask_keeps else rows.amax(1)
-    return torch.linalg.vector_norm(rows, math.inf, dim=1)
+def summarizes(mask_shape: Sequence) -> bool:
+    """Whether the GPU programs read a summary per batch row (`kept_rows`) of a mask of this shape: a key-only
+    one, by its dims as given (a symbolic dim is not known to be 1)."""
+    if len(mask_shape) > 4:
+        return False
+    full = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
+    return all(isinstance(n, int) and n == 1 for n in full[1:3])
+
+
+def kept_rows(mask: torch.Tensor, mask_keeps: bool = True) -> torch.Tensor:
+    """Per batch row of a key-only mask (`summarizes` its shape; bool or float), the value from which the GPU
+    program reads whether the row keeps every key (gpu_program's Kept), in the program's dtype: for a bool mask
+    as uint8, whether every value is True where True keeps (whether any is otherwise: `_keeps` of it reads
+    whether all keep), for a float mask its largest magnitude as float32 (0: adds nothing; NaN is not 0). A
+    function of the mask alone, in plain torch ops that inductor compiles, so that a graph whose attention nodes
+    share a mask computes it once (`fused_ops.attention`'s derived input); `flash_attention` computes it per
+    call where it is not given."""
+    rows = mask.reshape(mask.shape[0] if mask.dim() == 4 else 1, -1)
+    if mask.dtype == torch.bool:
+        return (rows.all(1) if mask_keeps else rows.any(1)).to(torch.uint8)
+    return torch.linalg.vector_norm(rows, math.inf, dim=1, dtype=torch.float32)
 
 
 def _register_split(threads: int, min_blocks: int) -> tuple[int, int]:
@@ -242,7 +253,7 @@ def gpu_program(
     (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
     fp32, which keeps the plain schedule). `strided_qkv`: q, k, v strides are run-time values (compile_gpu
     sets it where `reads_strided(arch)`). `kept_rows` (compile_gpu sets it): a key-only mask comes with
-    Kept, its summary per batch row (`_kept_rows`), after Mask.
+    Kept, its summary per batch row (`kept_rows`), after Mask.
     """
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
@@ -271,7 +282,7 @@ def gpu_program(
     m_dtype = "uint8" if mask_kind == "bool" else "float32"
     bb, bh, bq, bk = mask_bcast
     key_only = has_mask and _key_only(mask_bcast)
-    # Kept (kept_rows): per batch row of a key-only mask, whether it keeps every key (`_kept_rows`), read once
+    # Kept (kept_rows): per batch row of a key-only mask, whether it keeps every key (`kept_rows`), read once
     # per CTA. Such a row (all of a batch without padding: what the decoders' benchmarks and most served
     # batches have) skips the mask: no loads, no selects, as eager's SDPA skips an all-ones padding mask.
     kept_rows = bool(kept_rows) and key_only
@@ -842,10 +853,12 @@ def _size(b: int, sq: int, skv: int) -> tuple[int, int, int]:
     return b, 1 << max(0, (sq - 1).bit_length()), 1 << max(0, (skv - 1).bit_length())
 
 
-def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mask_fill, guard, mask_keeps):
+def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mask_fill, guard, mask_keeps,
+              kept=None):
     """(the compile key: the program's keys in gpu_program / cpu_program order, (q, k, v) as views in the
     layouts the kernel indexes, the mask arguments). Reads shapes, strides and dtypes, and where strided GPU
-    inputs are read in place their addresses' alignment (meta tensors count as aligned)."""
+    inputs are read in place their addresses' alignment (meta tensors count as aligned). `kept`: the mask's
+    `kept_rows`, where the caller has it."""
     h = 1 if layout == "bhsd" else 2
     dims = (q.shape[3], q.shape[h], k.shape[h])  # head dim, query heads, key/value heads
     layouts, (q, k, v) = kernel_layouts(q, k, v, layout, strided=reads_strided(arch))
@@ -858,10 +871,21 @@ def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mas
         else:
             wide = arch == "cpu" and q.dtype == torch.float64  # the cpu kernel reads float64 masks as float64
             mask_kind, m = "add", m.to(torch.float64 if wide else torch.float32).contiguous()
-        margs = (m, _kept_rows(m, mask_kind, mask_keeps)) if arch != "cpu" and _key_only(bcast) else (m,)
+        margs = (m,)
+        if arch != "cpu" and _key_only(bcast):
+            margs = (m, kept_rows(mask, mask_keeps) if kept is None else _checked_kept(kept, m))
     key = (dtype, *dims, bool(causal), layouts, mask_kind, bcast, None if scale is None else float(scale),
            float(mask_scale), float(mask_fill), guard, bool(mask_keeps))
     return key, (q, k, v), margs
+
+
+def _checked_kept(kept: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """A given `kept_rows` summary, if it has the shape, dtype and device `kept_rows` gives for kernel mask m."""
+    want = torch.uint8 if m.dtype == torch.uint8 else torch.float32
+    if kept.shape != (m.shape[0],) or kept.dtype != want or kept.device != m.device:
+        raise ValueError(f"flash_attention: kept must be the mask's kept_rows, a {want} tensor of shape "
+                         f"({m.shape[0]},) on {m.device}, got {kept.dtype} {tuple(kept.shape)} on {kept.device}")
+    return kept.contiguous()
 
 
 def planned_kernels(q, k, v, mask, build: Build, *, causal: bool = False, scale: float | None = None,
@@ -992,6 +1016,7 @@ def flash_attention(
     mask_fill: float = -math.inf,
     guard: str = "masked",
     mask_keeps: bool = True,
+    kept: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     arch: str | None = None,
     config: dict | None = None,
@@ -1003,9 +1028,10 @@ def flash_attention(
     it equals mask_keeps, mask_fill elsewhere), broadcastable to (B, Hq, Sq, Skv). causal: top-left
     aligned. guard: what a row whose every score is -inf ("none": NaN; "masked": 0) or that holds a NaN
     ("nan": 0) gives.
-    Extras: `out` (written in place and returned; q's shape and dtype, contiguous in `layout`), `arch`
-    (force "sm90" / "sm80"; else arch_of), `config` (tile config dict for GPU variants; else default /
-    tuned).
+    Extras: `kept` (the mask's `kept_rows`, where a caller computes it once for several calls on one mask; the
+    GPU programs read it for a key-only mask), `out` (written in place and returned; q's shape and dtype,
+    contiguous in `layout`), `arch` (force "sm90" / "sm80"; else arch_of), `config` (tile config dict for GPU
+    variants; else default / tuned).
     GPU: fp16, bf16, fp32; head dim 64 or 128. CPU: fp32, fp64; head dim <= 256.
 
     >>> import torch
@@ -1036,7 +1062,7 @@ def flash_attention(
         return out.zero_()
 
     gkey, (q, k, v), margs = _prepared(q, k, v, mask, a, dtype, causal, scale, layout, mask_scale, mask_fill, guard,
-                                       mask_keeps)
+                                       mask_keeps, kept)
     if a == "cpu":
         kern = compile_cpu(gkey)
         kern(q, k, v, *margs, out)

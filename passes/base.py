@@ -140,8 +140,9 @@ def fuse(
     legality check reads its users and the index is kept current (`place`), so the caller need not refresh it.
     """
     s = schema(op)
-    if len(inputs) != len(s.inputs):
+    if len(inputs) > len(s.inputs):
         raise ValueError(f"{op} takes {len(s.inputs)} inputs {s.inputs}, got {len(inputs)}")
+    inputs = s.padded(inputs)  # trailing optional inputs left out: absent
     problem = s.dtype_problem(inputs, outputs) or legality_problem(
         graph, nodes, [v for v in outputs if v is not None], index
     )

@@ -612,7 +612,7 @@ def test_hf_causal_and_padding_mask_splits_in_dynamos_graph_too(device: str) -> 
         torch.testing.assert_close(got, lm(input_ids=x, attention_mask=keep, use_cache=False).logits,
                                    rtol=1e-4, atol=1e-5)
     [n] = [n for n in backend.graph_modules[-1].graph.nodes if "fused_attention" in str(n.target)]
-    causal, mask = n.args[5], n.args[3].meta["val"]
+    causal, mask = n.args[6], n.args[3].meta["val"]  # after Q, K, V, mask, kept and scale
     assert causal == 1 and tuple(mask.shape) == (2, 1, 1, 11), (n.args, mask.shape)
 
 

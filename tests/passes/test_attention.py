@@ -189,7 +189,7 @@ def test_div_after_qk_bhsd() -> None:
     q, k, v = _qkv(b)
     out = _attend(b, b.op("Div", _scores(b, q, k), b.const("d", np.float32(math.sqrt(D)))), v)
     node = _one(*b.run(out), scale=1 / math.sqrt(D), causal=0, layout="bhsd")
-    assert node.inputs == [q, k, v, None]
+    assert node.inputs == [q, k, v, None, None]  # no mask, and kept (the torch backend derives it)
     assert [n.op for n in b.g.nodes] == ["FusedAttention"]
 
 
@@ -395,7 +395,7 @@ def test_gqa_expand_reshape_llama_form() -> None:
     s = b.op("Mul", _scores(b, q, _repeat_kv(b, k, 2)), b.const("c", np.float32(1 / math.sqrt(D))))
     mask = b.input("mask", B, 1, 7, 7)
     node = _one(*b.run(_attend(b, b.op("Add", s, mask), _repeat_kv(b, v, 2))))
-    assert node.inputs == [q, k, v, mask]
+    assert node.inputs == [q, k, v, mask, None]  # kept: the torch backend derives it
     assert k.shape[1] == 2
 
 
@@ -414,7 +414,7 @@ def test_sdpa_canonical_node() -> None:
     mask = b.input("mask", B, 1, 6, 11)
     out = b.op("ScaledDotProductAttention", q, k, v, mask, scale=0.0, is_causal=0, enable_gqa=0)
     node = _one(*b.run(out), scale=0.0, causal=0, layout="bhsd")
-    assert node.inputs == [q, k, v, mask]
+    assert node.inputs == [q, k, v, mask, None]  # kept: the torch backend derives it
 
 
 def test_sdpa_bshd_gqa_causal() -> None:
@@ -423,7 +423,7 @@ def test_sdpa_bshd_gqa_causal() -> None:
     t = [b.op("Transpose", x, perm=[0, 2, 1, 3]) for x in (q, k, v)]
     o = b.op("ScaledDotProductAttention", *t, None, scale=0.5, is_causal=1, enable_gqa=1)
     node = _one(*b.run(b.op("Transpose", o, perm=[0, 2, 1, 3])), scale=0.5, causal=1, layout="bshd")
-    assert node.inputs == [q, k, v, None]
+    assert node.inputs == [q, k, v, None, None]  # no mask, and kept (the torch backend derives it)
 
 
 def test_sdpa_bool_mask() -> None:

@@ -321,7 +321,7 @@ def test_sdpa_stays_whole_in_inference_whatever_kernel_torch_would_trace(device:
             got = torch.compile(lm, backend=backend)(input_ids=x, attention_mask=keep, use_cache=False).logits
     [gm] = backend.graph_modules
     [fused] = [n for n in gm.graph.nodes if "fused_attention" in str(n.target)]
-    causal, mask = fused.args[5], fused.args[3].meta["val"]
+    causal, mask = fused.args[6], fused.args[3].meta["val"]  # after Q, K, V, mask, kept and scale
     assert causal == 1 and tuple(mask.shape) == (2, 1, 1, 16), (fused.args, mask.shape)
     assert not gm.graph.find_nodes(op="call_function", target=OP), "the graph's one SDPA was fused"
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-5)

@@ -162,7 +162,9 @@ def test_opcheck_all_custom_ops():
         (op.fused_gemm, (x, w, b, torch.randn(2, 3, 5), 1, "gelu")),
         (op.fused_gated_mlp, (x, w, w.clone(), b, None, 1, "silu", 0)),
         (op.fused_attention, (q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2),
-                              torch.ones(6, 6, dtype=torch.bool).tril(), 0.0, 0, "bshd", 1.0, -1e4, "none", 0)),
+                              torch.ones(6, 6, dtype=torch.bool).tril(), None, 0.0, 0, "bshd", 1.0, -1e4, "none", 0)),
+        (op.fused_attention, (q, kv, kv, torch.ones(1, 1, 1, 6, dtype=torch.bool), torch.ones(1, dtype=torch.uint8),
+                              0.0, 0, "bhsd", 1.0, float("-inf"), "masked", 1)),
         (op.fused_add_norm, (x, None, torch.randn(8), None, "rms", 1e-6)),  # Sum would alias X: must not
     ]
     assert {c[0]._qualified_op_name for c in cases} == {o.name() for o in CUSTOM_OPS.values()}
@@ -183,9 +185,9 @@ def test_custom_op_backward_matches_finite_differences():
         (op.fused_gemm, (x, torch.randn(8, 5, **d), None, None, 0, "silu")),
         (op.fused_gated_mlp, (x, w, torch.randn(5, 8, **d), b, None, 1, "silu", 0)),
         (op.fused_attention, (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              torch.ones(6, 6, dtype=torch.bool).tril(), 0.0, 0, "bshd", 1.0, float("-inf"), "masked",
-                              1)),
-        (op.fused_attention, (q, k, v, torch.randn(6, 6, **d), 0.5, 1, "bhsd", 0.25, float("-inf"), "nan", 1)),
+                              torch.ones(6, 6, dtype=torch.bool).tril(), None, 0.0, 0, "bshd", 1.0, float("-inf"),
+                              "masked", 1)),
+        (op.fused_attention, (q, k, v, torch.randn(6, 6, **d), None, 0.5, 1, "bhsd", 0.25, float("-inf"), "nan", 1)),
         (op.fused_add_norm, (x, torch.randn(2, 3, 8, **d), torch.randn(8, **d), torch.randn(8, **d), "layer", 1e-5)),
         (op.fused_add_norm, (x, None, torch.randn(8, **d), None, "rms", 1e-6)),
     ]
@@ -331,3 +333,49 @@ def test_compile_refuses_float32_probs_times_float32_v():
     reasons = [r.reason for r in c.tkopt_report.passes.refusals]
     assert any("not cast back to the Q·K^T dtype bfloat16" in r for r in reasons), reasons
     assert torch.equal(c(*args), M()(*args))
+
+
+class SharedMask(nn.Module):
+    """Two self-attention layers reading one key padding mask, as a transformers encoder's layers do."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads, self.width = heads, 64 * heads
+        self.projs = nn.ModuleList(nn.Linear(self.width, 3 * self.width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        mask = keep[:, None, None, :]
+        for proj in self.projs:
+            q, k, v = proj(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+            x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, w)
+        return x
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_attention_nodes_sharing_a_key_mask_share_its_kept_rows(device, recwarn):
+    """The mask's summary per batch row (the derived input `kept`) is computed once in the graph and read by
+    both attention nodes, and inductor compiles it with the rest; rows with and without padding, at the example
+    size and another, match eager (on CUDA: the GPU kernels, which skip the mask in the rows that keep every
+    key)."""
+    from tkopt.kernels.attention import kept_rows
+
+    torch.manual_seed(0)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = SharedMask(heads=1 if device == "cuda" else 2).eval().to(device, dtype)  # GPU head dims: 64, 128
+
+    def example(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = torch.ones(b, s, dtype=torch.bool, device=device)
+        keep[0, s // 2:] = False  # row 0 padded, the others keep every key
+        return torch.randn(b, s, model.width, device=device, dtype=dtype), keep
+
+    with torch.no_grad():
+        c = tkopt_compile(model, example(3, 70), select="all", inductor=True)
+        nodes = c.graph_module.graph.nodes
+        attention = [n for n in nodes if n.target == torch.ops.tkopt.fused_attention.default]
+        [kept] = [n for n in nodes if n.target is kept_rows]
+        assert len(attention) == 2 and all(n.args[4] is kept for n in attention)
+        for b, s in ((3, 70), (2, 129)):
+            args = example(b, s)
+            assert rel_err(c(*args), model(*args)) < (1e-5 if dtype == torch.float32 else 2e-3)
+    assert not [w for w in recwarn if "inductor failed" in str(w.message)]

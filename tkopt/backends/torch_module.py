@@ -3,7 +3,8 @@
 The module is rebuilt from the GraphModule the graph was imported from: every unfused node is the
 original fx.Node copied with its target, args and meta unchanged (only the nodes it reads are
 remapped, following the IR if a pass rewired an input), fused nodes become calls to the tkopt::
-custom ops (operator.getitem for multi-output ones), and the nodes a fusion replaced are gone.
+custom ops (operator.getitem for multi-output ones), their derived inputs (FusedOp.derived_inputs) computed
+once for all the nodes that share them, and the nodes a fusion replaced are gone.
 What the IR does not hold (placeholders, get_attr, SymInt arithmetic, guards and assertions) is
 copied from the original graph when first needed. Parameters and buffers stay module attributes
 read by get_attr; the calling convention (pytree in/out specs of an unlifted ExportedProgram) is kept.
@@ -45,6 +46,7 @@ class _Rebuilder:
         self.new._codegen = copy.deepcopy(self.old.graph._codegen)
         self.env: dict[fx.Node, fx.Node] = {}  # original fx.Node -> its counterpart in the new graph
         self.vals: dict[int, fx.Node] = {}  # id(Value) -> new fx.Node
+        self.derived: dict[tuple, fx.Node] = {}  # (function, the nodes it reads, its arguments) -> its node
         self.root: dict[str, Any] = {}
         self.consts = 0
         # fx nodes that were IR nodes or values at import: never re-copied behind the IR's back
@@ -152,7 +154,7 @@ class _Rebuilder:
         if node.op not in CUSTOM_OPS:
             raise ValueError(f"fused node {node.name}: no torch custom op for {node.op!r}")
         d = schema(node.op)
-        ins = d.padded([None if v is None else self.value(v) for v in node.inputs])
+        ins = self._derived(node, d.padded([None if v is None else self.value(v) for v in node.inputs]))
         call = self.new.call_function(CUSTOM_OPS[node.op], (*ins, *attr_args(node.op, node.attrs)))
         multi = len(d.outputs) > 1
         for i, v in enumerate(node.outputs):
@@ -164,6 +166,24 @@ class _Rebuilder:
                     out = self._restride(out, val)
                 self.env[v.origin] = out  # SymInt nodes copied later may read it (sym_size)
             self.vals[id(v)] = out
+
+    def _derived(self, node: Node, ins: list[fx.Node | None]) -> list[fx.Node | None]:
+        """`ins` (the fused node's inputs in the new graph) with the op's derived inputs filled in where they
+        apply (FusedOp.derived_inputs): each derivation emitted once, for every node that has the same one."""
+        d = schema(node.op)
+        vals = [None if a is None else node_val(a) for a in ins]
+        for name, derive in d.derived_inputs.items():
+            i = d.inputs.index(name)
+            how = None if ins[i] is not None else derive(vals, d.full_attrs(node.attrs))
+            if how is None:
+                continue
+            fn, reads, args = how
+            key = (fn, tuple(ins[j] for j in reads), args)
+            if key not in self.derived:
+                self.derived[key] = self.new.call_function(fn, (*[ins[j] for j in reads], *args))
+                self.derived[key].meta["val"] = fn(*[vals[j] for j in reads], *args)
+            ins[i] = self.derived[key]
+        return ins
 
     def _restride(self, out: fx.Node, val: torch.Tensor) -> fx.Node:
         """Give a custom op's (contiguous) result the memory order the replaced node's result had.

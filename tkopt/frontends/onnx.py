@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
+from tkopt.fused_ops import SCHEMAS
 from tkopt.fused_ops.onnx_schema import attribute_values, register_schemas
 from tkopt.ir import FUSED_DOMAIN, Dim, Graph, Node, Value
 from tkopt.onnx_checker import checkable
@@ -282,7 +283,9 @@ def _node(n: onnx.NodeProto, value: Any, opsets: dict[str, int], graph: Graph) -
         op = n.op_type
         _canonical_attrs(op, attrs, inputs, outputs)
     elif domain == FUSED_DOMAIN:
-        op = n.op_type  # an already-fused model: stays a fused node
+        op = n.op_type  # an already-fused model: stays a fused node, its absent trailing inputs None
+        if op in SCHEMAS:
+            inputs = SCHEMAS[op].padded(inputs)
     else:
         op, domain = f"{domain}::{n.op_type}", ""
     if any(isinstance(a, onnx.GraphProto) for a in attrs.values()):

@@ -6,8 +6,11 @@ Layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA). scale
 mask_keeps and sets T to mask_fill elsewhere (finite
 fills stay finite). causal drops keys after the query (top-left). guard: what a row gives whose every T
 is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or holds a NaN ("nan": 0, as the dynamo
-exporter's Where(IsNaN(p), 0, p)). Exact definition: kernels.reference.flash_attention_ref;
-docs/LEGALITY.md says which graphs map onto it and for which inputs.
+exporter's Where(IsNaN(p), 0, p)). kept: the key-only mask's summary per batch row that the GPU kernel
+reads (`kernels.attention.kept_rows`, a function of the mask), which the torch backend derives once per graph
+for all the nodes that share a mask; the reference ignores it, the kernel computes it where it is absent.
+Exact definition: kernels.reference.flash_attention_ref; docs/LEGALITY.md says which graphs map onto it and
+for which inputs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tkopt.kernels.workers import Compile
 
 from .base import (
     Broadcast,
+    Derivation,
     FusedOp,
     InputSpec,
     ProgramSpec,
@@ -49,7 +53,7 @@ def _semantics(attrs: dict[str, Any]) -> dict[str, Any]:
 def reference(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
     from tkopt.kernels import reference as ref
 
-    q, k, v, mask = ins
+    q, k, v, mask, _ = ins
     return [ref.flash_attention_ref(q, k, v, mask=mask, **_semantics(attrs))]
 
 
@@ -67,16 +71,26 @@ def _check_precision(q: Tensor, on_gpu: bool) -> None:
 def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
     from tkopt import kernels
 
-    q, k, v, mask = ins
+    q, k, v, mask, kept = ins
     if q is not None:
         _check_precision(q, q.is_cuda)
-    return [kernels.flash_attention(q, k, v, mask=mask, **_semantics(attrs))]
+    return [kernels.flash_attention(q, k, v, mask=mask, kept=kept, **_semantics(attrs))]
+
+
+def _kept(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> Derivation | None:
+    """The mask's `kept_rows`, for a key-only mask (the CPU kernel reads none, but once per graph costs nothing)."""
+    from tkopt.kernels import attention
+
+    mask = ins[3]
+    if mask is None or not attention.summarizes(mask.shape):
+        return None
+    return attention.kept_rows, (3,), (bool(attrs["mask_keeps"]),)
 
 
 def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) -> list[Compile]:
     from tkopt.kernels.attention import planned_kernels
 
-    q, k, v, mask = meta_tensors(specs)
+    q, k, v, mask, _ = meta_tensors(specs)
     _check_precision(q, build.arch != "cpu")
     return planned_kernels(q, k, v, mask, build, **_semantics(attrs))
 
@@ -94,7 +108,7 @@ def program(node: Node, arch: str) -> ProgramSpec:
 
     dtype = input_dtype(node)
     check_dtypes(node, dtype, arch, (1, 2))
-    q, k, v, mask = node.inputs
+    q, k, v, mask, _ = node.inputs  # kept: the native kernels compute what they read
     layout = node.attrs["layout"]
     h_axis = 1 if layout == "bhsd" else 2
     dim = static_dim(q, -1, "Q")
@@ -136,8 +150,9 @@ def program(node: Node, arch: str) -> ProgramSpec:
 OP = FusedOp(
     name="FusedAttention",
     torch_name="fused_attention",
-    inputs=("Q", "K", "V", "mask"),
-    optional_inputs=frozenset({"mask"}),
+    inputs=("Q", "K", "V", "mask", "kept"),
+    optional_inputs=frozenset({"mask", "kept"}),
+    derived_inputs={"kept": _kept},
     outputs=("O",),
     attrs={"scale": 0.0, "causal": 0, "layout": "bhsd", "mask_scale": 1.0, "mask_fill": float("-inf"),
            "guard": "masked", "mask_keeps": 1},
@@ -145,6 +160,6 @@ OP = FusedOp(
     kernel=kernel,
     output_shapes=output_shapes,
     program=program,
-    input_types={"mask": "M"},
+    input_types={"mask": "M", "kept": "R"},
     compiles=compiles,
 )

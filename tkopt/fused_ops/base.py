@@ -23,9 +23,11 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 TYPE_CONSTRAINTS = {
     "T": (FLOAT_DTYPES, "float tensors"),
     "M": ((*FLOAT_DTYPES, "bool"), "additive float mask or boolean keep-mask"),
+    "R": (("uint8", "float32"), "summary per batch row of a mask"),
 }
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float64": torch.float64, "bool": torch.bool, "int64": torch.int64, "int32": torch.int32}
+                "float64": torch.float64, "bool": torch.bool, "int64": torch.int64, "int32": torch.int32,
+                "uint8": torch.uint8}
 Compute = Callable[[Sequence[Tensor | None], dict[str, Any]], list[Tensor]]
 InputSpec = tuple[str, tuple[int, ...], tuple[int, ...]] | None  # an input's dtype name, shape, strides; None: absent
 # (input specs, full attrs, what to build for) -> the kernel compiles calls on such inputs use
@@ -33,6 +35,12 @@ PlanCompiles = Callable[[Sequence[InputSpec], dict[str, Any], Build], list[Compi
 Shape = Sequence[Any]  # dims of any kind: ints, torch SymInts, onnx TensorShapeProto.Dimension
 Broadcast = Callable[[Shape, Shape], Shape | None]  # numpy broadcasting of two shapes; None if unknown
 ShapeRule = Callable[[Sequence[Shape | None], dict[str, Any], Broadcast], list[Shape | None]]
+# How an optional input follows from others: (a torch function, the input positions it reads, its further
+# arguments); the function of those inputs is the input's value.
+Derivation = tuple[Callable[..., Tensor], tuple[int, ...], tuple[Any, ...]]
+# (the node's inputs as tensors (example or fake values; None: absent or unknown), full attrs) -> its Derivation,
+# None where the input is not worth giving
+Derive = Callable[[Sequence[Tensor | None], dict[str, Any]], Derivation | None]
 
 
 class Unservable(ValueError):
@@ -65,7 +73,10 @@ class FusedOp:
     fake implementation and ONNX shape inference share it. `program(node, arch)` picks the TileLang
     program for an IR node (raising Unservable when none serves it). `compiles(specs, attrs, build)` lists
     the kernel compiles calls on inputs like `specs` will use, tuning candidates included, so that they can
-    be built in parallel ahead of the calls (tkopt.targets.kernel_builds).
+    be built in parallel ahead of the calls (tkopt.targets.kernel_builds). `derived_inputs`: optional inputs
+    that are functions of other inputs (a summary the kernel would otherwise compute per call), by name; the
+    torch backend computes each once per graph for all the nodes whose Derivation is the same (same function,
+    same input values, same arguments), in plain torch ops that the residual compile fuses.
     """
 
     name: str
@@ -81,6 +92,7 @@ class FusedOp:
     optional_inputs: frozenset[str] = frozenset()
     optional_outputs: frozenset[str] = frozenset()
     input_types: Mapping[str, str] = field(default_factory=dict)  # ONNX type constraint by input, else "T"
+    derived_inputs: Mapping[str, Derive] = field(default_factory=dict)
 
     def full_attrs(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         unknown = set(attrs) - set(self.attrs)
@@ -91,7 +103,7 @@ class FusedOp:
     def dtype_problem(self, inputs: Sequence[Value | None], outputs: Sequence[Value | None]) -> str | None:
         """Why IR values of these dtypes cannot be this op's inputs and outputs (None: they can). Each type
         constraint binds one dtype per node, from its allowed ones (TYPE_CONSTRAINTS)."""
-        named = [*zip(self.inputs, inputs, strict=True), *zip(self.outputs, outputs, strict=False)]
+        named = [*zip(self.inputs, self.padded(inputs), strict=True), *zip(self.outputs, outputs, strict=False)]
         bound: dict[str, set[str | None]] = {}
         for name, v in named:
             if v is not None:

@@ -25,7 +25,7 @@ from . import SCHEMAS, FusedOp, base, schema
 
 FUSED_OPSET = 1
 _ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
-               "float64": "tensor(double)", "bool": "tensor(bool)"}
+               "float64": "tensor(double)", "bool": "tensor(bool)", "uint8": "tensor(uint8)"}
 TYPE_CONSTRAINTS = {k: ([_ONNX_TYPES[d] for d in dtypes], doc) for k, (dtypes, doc) in base.TYPE_CONSTRAINTS.items()}
 
 
