@@ -171,7 +171,7 @@ def kept_rows(mask: torch.Tensor, mask_keeps: bool = True) -> torch.Tensor:
     rows = mask.reshape(mask.shape[0] if mask.dim() == 4 else 1, -1)
     if mask.dtype == torch.bool:
         return (rows.all(1) if mask_keeps else rows.any(1)).to(torch.uint8)
-    return torch.linalg.vector_norm(rows, math.inf, dim=1, dtype=torch.float32)
+    return torch.linalg.vector_norm(rows, math.inf, dim=1).to(torch.float32)  # exact: a largest |value|
 
 
 def _register_split(threads: int, min_blocks: int) -> tuple[int, int]:

@@ -139,8 +139,8 @@ def test_packed_qkv_heads_are_read_in_place_by_the_sm90_programs():
 def test_kept_rows_summarize_whether_a_row_keeps_every_key():
     """The GPU programs skip a key-only mask's reads for a batch row whose summary says it keeps every key, so
     the summary must say so only then: a bool mask (either polarity) and an additive one, where -0.0 adds
-    nothing but NaN and -inf do; a mask of rank < 4 or batch 1 has one row, and a half mask's summary is float32,
-    the dtype the programs read."""
+    nothing but NaN and -inf do; a mask of rank < 4 or batch 1 has one row, and a half or double mask's summary
+    is float32, the dtype the programs read."""
     keys = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 0]], dtype=torch.bool).view(3, 1, 1, 3)
     for mask_keeps, kept in ((True, [True, False, False]), (False, [False, False, True])):
         row = A.kept_rows(keys, mask_keeps)
@@ -148,7 +148,7 @@ def test_kept_rows_summarize_whether_a_row_keeps_every_key():
         assert ((row != 0) if mask_keeps else (row == 0)).tolist() == kept  # as the program's _keeps reads it
     add = torch.tensor([[0.0, -0.0], [0.0, float("nan")], [float("-inf"), 0.0], [0.0, 1e-30]]).view(4, 1, 1, 2)
     assert (A.kept_rows(add) == 0).tolist() == [True, False, False, False]
-    assert A.kept_rows(add.half()).dtype == torch.float32
+    assert A.kept_rows(add.half()).dtype == A.kept_rows(add.double()).dtype == torch.float32
     assert A.kept_rows(keys[:1]).shape == A.kept_rows(keys[0, 0]).shape == A.kept_rows(keys[0, 0, 0]).shape == (1,)
     assert A.kept_rows(keys[..., ::2]).tolist() == [1, 1, 0]  # a strided view: keys 0 and 2
     assert [A.summarizes(s) for s in ((3, 1, 1, 3), (1, 3), (3,), (3, 1, 2, 3), (3, 2, 1, 3), (1, 1, 1, 1, 3))] == [
