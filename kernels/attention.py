@@ -165,13 +165,23 @@ def kept_rows(mask: torch.Tensor, mask_keeps: bool = True) -> torch.Tensor:
     program reads whether the row keeps every key (gpu_program's Kept), in the program's dtype: for a bool mask
     as uint8, whether every value is True where True keeps (whether any is otherwise: `_keeps` of it reads
     whether all keep), for a float mask its largest magnitude as float32 (0: adds nothing; NaN is not 0). A
-    function of the mask alone, in plain torch ops that inductor compiles, so that a graph whose attention nodes
-    share a mask computes it once (`fused_ops.attention`'s derived input); `flash_attention` computes it per
-    call where it is not given."""
-    rows = mask.reshape(mask.shape[0] if mask.dim() == 4 else 1, -1)
-    if mask.dtype == torch.bool:
-        return (rows.all(1) if mask_keeps else rows.any(1)).to(torch.uint8)
-    return torch.linalg.vector_norm(rows, math.inf, dim=1).to(torch.float32)  # exact: a largest |value|
+    function of the mask alone, so that a graph whose attention nodes share a mask computes it once
+    (`fused_ops.attention`'s derived input, by `kept_rows_ops`); `flash_attention` computes it per call where it
+    is not given."""
+    return kept_rows_ops(mask, mask_keeps, mask.dim(), mask.dtype == torch.bool)
+
+
+def kept_rows_ops(mask: torch.Tensor, mask_keeps: bool, rank: int, is_bool: bool) -> torch.Tensor:
+    """`kept_rows` of a mask of this rank and kind, in aten ops alone, which take FX proxies too: the torch
+    backend emits them so, and inductor fuses them into the kernel that builds the mask (a Python function's
+    node would keep AOTAutograd's cache from serving the program: every warm compile would trace it again)."""
+    aten = torch.ops.aten
+    dims = [1, 2, 3] if rank == 4 else None  # a mask of rank < 4 has one batch row
+    if is_bool:
+        out = aten._to_copy.default((aten.all.dims if mask_keeps else aten.any.dims)(mask, dims), dtype=torch.uint8)
+    else:  # exact in float32: a largest |value| converts where the kernel's float32 mask does
+        out = aten._to_copy.default(aten.linalg_vector_norm.default(mask, math.inf, dims), dtype=torch.float32)
+    return out if rank == 4 else aten.reshape.default(out, [1])
 
 
 def _register_split(threads: int, min_blocks: int) -> tuple[int, int]:

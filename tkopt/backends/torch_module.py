@@ -24,6 +24,7 @@ from torch._prims_common import (
     invert_perm,
     is_non_overlapping_and_dense_or_false,
 )
+from torch.fx.proxy import GraphAppendingTracer
 
 from tkopt.frontends.fx import node_val
 from tkopt.fused_ops import schema
@@ -179,9 +180,11 @@ class _Rebuilder:
                 continue
             fn, reads, args = how
             key = (fn, tuple(ins[j] for j in reads), args)
-            if key not in self.derived:
-                self.derived[key] = self.new.call_function(fn, (*[ins[j] for j in reads], *args))
-                self.derived[key].meta["val"] = fn(*[vals[j] for j in reads], *args)
+            if key not in self.derived:  # its aten ops, traced onto the new graph
+                tracer = GraphAppendingTracer(self.new)
+                out = fn(*[fx.Proxy(ins[j], tracer) for j in reads], *args).node
+                out.meta["val"] = fn(*[vals[j] for j in reads], *args)
+                self.derived[key] = out
             ins[i] = self.derived[key]
         return ins
 

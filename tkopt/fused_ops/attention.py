@@ -79,12 +79,14 @@ def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
 
 def _kept(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> Derivation | None:
     """The mask's `kept_rows`, for a key-only mask (the CPU kernel reads none, but once per graph costs nothing)."""
+    import torch
+
     from tkopt.kernels import attention
 
     mask = ins[3]
     if mask is None or not attention.summarizes(mask.shape):
         return None
-    return attention.kept_rows, (3,), (bool(attrs["mask_keeps"]),)
+    return attention.kept_rows_ops, (3,), (bool(attrs["mask_keeps"]), mask.dim(), mask.dtype == torch.bool)
 
 
 def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) -> list[Compile]:

@@ -35,8 +35,9 @@ PlanCompiles = Callable[[Sequence[InputSpec], dict[str, Any], Build], list[Compi
 Shape = Sequence[Any]  # dims of any kind: ints, torch SymInts, onnx TensorShapeProto.Dimension
 Broadcast = Callable[[Shape, Shape], Shape | None]  # numpy broadcasting of two shapes; None if unknown
 ShapeRule = Callable[[Sequence[Shape | None], dict[str, Any], Broadcast], list[Shape | None]]
-# How an optional input follows from others: (a torch function, the input positions it reads, its further
-# arguments); the function of those inputs is the input's value.
+# How an optional input follows from others: (a function of aten ops, the input positions it reads, its further
+# arguments); the function of those inputs is the input's value. Aten ops alone, because the torch backend calls
+# it on FX proxies: its program then holds no Python function, which AOTAutograd's cache would refuse.
 Derivation = tuple[Callable[..., Tensor], tuple[int, ...], tuple[Any, ...]]
 # (the node's inputs as tensors (example or fake values; None: absent or unknown), full attrs) -> its Derivation,
 # None where the input is not worth giving
@@ -76,7 +77,7 @@ class FusedOp:
     be built in parallel ahead of the calls (tkopt.targets.kernel_builds). `derived_inputs`: optional inputs
     that are functions of other inputs (a summary the kernel would otherwise compute per call), by name; the
     torch backend computes each once per graph for all the nodes whose Derivation is the same (same function,
-    same input values, same arguments), in plain torch ops that the residual compile fuses.
+    same input values, same arguments), in aten ops that the residual compile fuses.
     """
 
     name: str
