@@ -157,7 +157,7 @@ def summarizes(mask_shape: Sequence) -> bool:
     if len(mask_shape) > 4:
         return False
     full = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
-    return all(isinstance(n, int) and n == 1 for n in full[1:3])
+    return _key_only(tuple(isinstance(n, int) and n == 1 for n in full))
 
 
 def kept_rows(mask: torch.Tensor, mask_keeps: bool = True) -> torch.Tensor:

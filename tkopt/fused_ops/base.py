@@ -104,7 +104,7 @@ class FusedOp:
     def dtype_problem(self, inputs: Sequence[Value | None], outputs: Sequence[Value | None]) -> str | None:
         """Why IR values of these dtypes cannot be this op's inputs and outputs (None: they can). Each type
         constraint binds one dtype per node, from its allowed ones (TYPE_CONSTRAINTS)."""
-        named = [*zip(self.inputs, self.padded(inputs), strict=True), *zip(self.outputs, outputs, strict=False)]
+        named = [*zip(self.inputs, inputs, strict=True), *zip(self.outputs, outputs, strict=False)]
         bound: dict[str, set[str | None]] = {}
         for name, v in named:
             if v is not None:
