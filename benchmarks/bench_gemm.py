@@ -13,6 +13,10 @@ are not needed at these sizes: 8192^3 operands are 3 x 128 MB >> 50 MB L2):
 5. (--fp32) fp32 at torch's default precision: cuBLAS (A @ B) against our full-accuracy kernels, tf32x3 and
    SIMT (FP32_TUNE_CANDIDATES), each timed and its max error against float64 relative to cuBLAS'; and at
    "tf32" cuBLAS against our tf32 candidates. Prints which full-accuracy kind is faster (config.FP32_FULL).
+6. (--epilogues) linear + bias + activation on the whole-model benchmarks' projection shapes (EPILOGUE_SHAPES),
+   fp16: cuBLAS's matmul + bias alone (the floor of any epilogue), eager, torch.compile, cuBLASLt's fused
+   epilogue (torch._addmm_activation; relu and gelu_tanh only), our tuned TileLang kernel, and what
+   `gemm` runs (the faster of the last two, as timed by its tuning); ratios against torch.compile.
 """
 
 import argparse
@@ -124,10 +128,59 @@ def fp32_section():
         torch.backends.cuda.matmul.fp32_precision = saved
 
 
+# (model and layer, M, N, K, activation, weight transposed): the projections with an epilogue in whole_models.py
+EPILOGUE_SHAPES = (
+    ("GPT-2 8x1024 c_fc", 8192, 3072, 768, "gelu_tanh", False),
+    ("encoder layer 8x512 linear1", 4096, 4096, 1024, "relu", True),
+    ("BERT 16x512 intermediate", 8192, 3072, 768, "gelu", True),
+    ("ViT-B/16 32 fc1", 6304, 3072, 768, "gelu", True),
+    ("BERT 1x128 intermediate", 128, 3072, 768, "gelu", True),
+)
+TORCH_ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def _epilogue_shape(name: str, M: int, N: int, K: int, act: str, bt: bool) -> dict:
+    """6. at one shape: the table and its row."""
+    from tkopt.kernels.gemm_epilogue import _library_gemm, library_serves
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    w = (torch.randn(N, K, device="cuda", dtype=torch.float16) if bt
+         else torch.randn(K, N, device="cuda", dtype=torch.float16)) / K**0.5
+    b = torch.randn(N, device="cuda", dtype=torch.float16)
+    wt = w if bt else w.t()  # (N, K), as F.linear takes it
+    f = TORCH_ACTS[act]
+    compiled = torch.compile(lambda x, w, b: f(F.linear(x, w, b)))
+    variants = {
+        "cuBLAS matmul + bias": lambda: torch.addmm(b, x, wt.t()),
+        "eager": lambda: f(F.linear(x, wt, b)),
+        "torch.compile": lambda: compiled(x, wt, b),
+        "ours TileLang (tuned)": lambda: gemm(x, w, b, act, b_transposed=bt, arch="sm90"),
+        "gemm() (tkopt's choice)": lambda: gemm(x, w, b, act, b_transposed=bt),
+    }
+    if library_serves(x, b, act, None):
+        variants["cuBLASLt epilogue"] = lambda: _library_gemm(x, w, b, act, bt, None)
+    ref = gemm_ref(x[:256].double(), w.double(), b.double(), act, b_transposed=bt)
+    for fn in variants.values():
+        fn()  # compiles, tunes
+    errs = {k: relerr(fn()[:256], ref) for k, fn in variants.items()}
+    times = {k: ms(fn) for k, fn in variants.items()}
+    log(f"\n| {name}: {M}x{N}x{K} {act} fp16 | ms | TFLOP/s | vs torch.compile | rel err |")
+    log("|---|---|---|---|---|")
+    for k, t in times.items():
+        log(f"| {k} | {t:.4f} | {2 * M * N * K / t / 1e9:.0f} | {times['torch.compile'] / t:.3f}x | {errs[k]:.1e} |")
+    return {"shape": name, "M": M, "N": N, "K": K, "act": act, "ms": times, "rel_err": errs}
+
+
+def epilogue_section() -> list[dict]:
+    """6.: every shape's variants, timed in one run (module docstring)."""
+    return [_epilogue_shape(*shape) for shape in EPILOGUE_SHAPES]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--fp32", action="store_true", help="only the fp32 precision comparison (section 5)")
+    ap.add_argument("--epilogues", action="store_true", help="only the projection shapes' epilogues (section 6)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -138,6 +191,13 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_gemm_fp32.txt"), "w") as f:
             f.write("\n".join(LINES) + "\n")
+        return
+    if args.epilogues:
+        rows = epilogue_section()
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_gemm_epilogues.json"), "w") as f:
+            json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
         return
 
     # ---------------- 1. linear + bias + gelu_tanh, 8192^3 fp16
@@ -169,9 +229,9 @@ def main():
     torch.cuda.synchronize()
     log(f"torch.compile warmup {time.time() - t:.1f} s")
 
-    # tuned ours (tuning.pick_config through gemm(); candidates already compiled)
+    # tuned ours (tuning.pick_config through gemm(); candidates already compiled); arch= keeps it TileLang
     t = time.time()
-    y = gemm(x, w, b, "gelu_tanh", b_transposed=True)
+    y = gemm(x, w, b, "gelu_tanh", b_transposed=True, arch="sm90")
     torch.cuda.synchronize()
     log(f"tuning (bench {len(sm90_cands)} candidates) {time.time() - t:.1f} s")
     entry = None
@@ -184,7 +244,7 @@ def main():
         log(f"tuning winner: {entry['config']}")
     ref = gemm_ref(x[:512], w, b, "gelu_tanh", b_transposed=True)
     log(f"correctness ours vs fp32 ref (first 512 rows): rel err {relerr(y[:512], ref):.2e}")
-    ours = lambda: gemm(x, w, b, "gelu_tanh", b_transposed=True)  # noqa: E731
+    ours = lambda: gemm(x, w, b, "gelu_tanh", b_transposed=True, arch="sm90")  # noqa: E731
     ours80 = lambda: gemm_custom(x, w, sm80_cfg, b, "gelu_tanh", b_transposed=True, arch="sm80")  # noqa: E731
     y80 = ours80()
     log(f"correctness sm80 variant: rel err {relerr(y80[:512], ref):.2e}")
@@ -226,7 +286,7 @@ def main():
     t = time.time()
     compiled_kernel("sm90", N, K, torch.float16, dec_cfg, True, True, "gelu_tanh", False, False, None)
     cold = time.time() - t
-    d_ours = lambda: gemm(x1, w, b, "gelu_tanh", b_transposed=True)  # noqa: E731
+    d_ours = lambda: gemm(x1, w, b, "gelu_tanh", b_transposed=True, arch="sm90")  # noqa: E731
     d_eager = lambda: F.gelu(F.linear(x1, w, b), approximate="tanh")  # noqa: E731
     y1 = d_ours()
     log(f"\ndecode correctness: rel err {relerr(y1, gemm_ref(x1, w, b, 'gelu_tanh', b_transposed=True)):.2e}")

@@ -2,7 +2,8 @@
 
 Public:
 - `gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=None)`: heuristic or tuned
-  config (kernels/tuning.py, key bucketed on M).
+  config (kernels/tuning.py, key bucketed on M); on CUDA, cuBLASLt's bias + relu / gelu_tanh epilogue where
+  it times faster (`library_serves`).
 - `gemm_custom(a, b, config, bias=None, act=None, residual=None, b_transposed=False, out=None)`: your tiles.
 - `gemm_program(...)`: the program builder (a `@T.prim_func`), for lowering to C / CUDA source.
 - `planned_kernels(kind, build, M, N, K, ...)`: the compiles calls of M rows will use, tuning candidates
@@ -806,6 +807,9 @@ def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=No
     full fp32 accuracy by default ("highest"), TF32 tensor cores when torch allows TF32 ("high", "medium").
     `out=` writes into a given tensor; `arch=` forces a variant ("sm80" on an H200). The tile config is the
     heuristic default or, on the GPU, the tuned one (cached on disk; TKOPT_AUTOTUNE=0 turns tuning off).
+    On CUDA, a bias with relu or gelu_tanh and no residual runs on cuBLASLt's fused epilogue instead where
+    the tuning times it faster at that shape bucket (never with `arch=` given; `gemm_custom` always runs
+    the TileLang kernel).
 
     >>> import torch
     >>> from tkopt.kernels import gemm
@@ -814,6 +818,7 @@ def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=No
     >>> torch.allclose(y, torch.nn.functional.gelu(a @ b.T + bias), atol=1e-5)
     True
     """
+    forced = arch is not None
     arch, M, N, K, out_shape = check_inputs(a, b, bias, act, residual, b_transposed, arch)
     precision = fp32_precision(arch, a.dtype)
     if M == 0 or N == 0 or K == 0:
@@ -825,5 +830,50 @@ def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=No
 
         cfg = select_config("gemm", arch, M, N, K, a.dtype, act, bias is not None, residual is not None,
                             b_transposed, run, precision=precision)
+        if not forced and library_serves(a, bias, act, residual) and _library_faster(
+                arch, M, N, K, a.dtype, act, b_transposed, precision,
+                lambda: _launch(arch, cfg, a, [b], [bias], act, None, b_transposed, None, out_shape, M, N, K, False,
+                                precision),
+                lambda: _library_gemm(a, b, bias, act, b_transposed, None)):
+            return _library_gemm(a, b, bias, act, b_transposed, out)
     return _launch(arch, cfg, a, [b], [bias], act, residual, b_transposed, out, out_shape, M, N, K, False,
                    precision)
+
+
+# cuBLASLt's fused bias epilogues, reached through torch._addmm_activation: activation -> its use_gelu. On CUDA
+# its GELU is the tanh form, in the epilogue and in torch's fallback where cuBLASLt does not apply; on CPU the
+# fallback is erf GELU, so it serves CUDA only.
+LIBRARY_EPILOGUES = {"relu": False, "gelu_tanh": True}
+_TILELANG, _LIBRARY = {"kernel": "tilelang"}, {"kernel": "cublaslt"}
+
+
+def library_serves(a, bias, act, residual) -> bool:
+    """Whether cuBLASLt's fused epilogue computes this `gemm` call: CUDA, a bias, relu or gelu_tanh, no residual."""
+    return a.is_cuda and bias is not None and residual is None and act in LIBRARY_EPILOGUES
+
+
+def _library_gemm(a, b, bias, act, b_transposed, out):
+    """act(a @ b + bias) by cuBLASLt's fused epilogue (`library_serves` calls; b 2-D, checked by `gemm`)."""
+    y = torch._addmm_activation(bias, a.reshape(-1, a.shape[-1]), b.t() if b_transposed else b,
+                                use_gelu=LIBRARY_EPILOGUES[act]).reshape(*a.shape[:-1], -1)
+    return y if out is None else out.copy_(y)
+
+
+def _library_faster(arch, M, N, K, dtype, act, b_t, precision, tilelang_run, library_run) -> bool:
+    """Whether cuBLASLt's epilogue times faster than the tuned TileLang kernel at this shape bucket: decided with
+    the tuning (kernel "gemm_library", cached on disk the same way; TKOPT_AUTOTUNE=0 keeps TileLang)."""
+    from .tuning import pick_config, tuning_suspended
+
+    key = _tuning_key(M, N, K, dtype, act, True, False, b_t, precision)
+    hit = _LIBRARY_CHOSEN.get((arch, key))
+    if hit is not None:
+        return hit
+    chosen = pick_config("gemm_library", arch, key, [_TILELANG, _LIBRARY], _TILELANG,
+                         lambda c: median_ms(library_run if c == _LIBRARY else tilelang_run, calls=8))
+    faster = chosen == _LIBRARY
+    if not tuning_suspended():
+        _LIBRARY_CHOSEN[(arch, key)] = faster
+    return faster
+
+
+_LIBRARY_CHOSEN: dict[tuple, bool] = {}

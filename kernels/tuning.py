@@ -301,8 +301,10 @@ __all__ = [
 ]
 
 
-def median_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    """Median ms of fn() timed with CUDA events: how every kernel's tuning candidates are timed."""
+def median_ms(fn, warmup: int = 3, reps: int = 10, calls: int = 1) -> float:
+    """Median ms of fn() timed with CUDA events: how every kernel's tuning candidates are timed. Each rep times
+    `calls` back-to-back calls (the result is per call), so that where candidates differ in host-side cost
+    (a TileLang launch against a library call), a queue of work hides it as a program's stream does."""
     import torch
 
     for _ in range(warmup):
@@ -312,9 +314,10 @@ def median_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(calls):
+            fn()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e))
+        times.append(s.elapsed_time(e) / calls)
     times.sort()
     return times[len(times) // 2]

@@ -749,3 +749,64 @@ def test_fp32_inf_nan_propagate_like_eager(arch, monkeypatch, gpu_precompiled):
         y = gemm_custom(A, B, make(arch), arch=arch)
         assert torch.equal(y.isnan(), eager.isnan())
         assert torch.equal(y[eager.isinf()], eager[eager.isinf()])
+
+
+# cuBLASLt's fused epilogue (torch._addmm_activation): (a_shape, N, b_transposed, act). M=1 is where torch
+# skips cuBLASLt (addmm, then the activation), so both of its paths are checked.
+LIBRARY_GPU_CASES = [((333, 264), 520, True, "gelu_tanh"), ((1, 1024), 1000, True, "relu"),
+                     ((2, 129, 100), 130, False, "gelu_tanh"), ((1, 96), 40, False, "gelu_tanh")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("a_shape,N,bt,act", LIBRARY_GPU_CASES)
+def test_library_epilogue_gpu(dtype, a_shape, N, bt, act):
+    """The library epilogue computes gemm's semantics: batched A, either weight layout, odd sizes, `out=`; in
+    fp32 (exact products at torch's default precision) its GELU is told apart from erf GELU: the tanh form."""
+    from tkopt.kernels.gemm_epilogue import _library_gemm, library_serves
+
+    torch.manual_seed(sum(a_shape) + N)
+    K = a_shape[-1]
+    a = torch.randn(*a_shape, device="cuda", dtype=dtype)
+    b = (torch.randn(N, K, device="cuda", dtype=dtype) if bt else torch.randn(K, N, device="cuda", dtype=dtype))
+    b = b * (2 / K**0.5)  # pre-activations ~N(0, 4): where the two GELUs differ most
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    assert library_serves(a, bias, act, None) and not library_serves(a, bias, act, bias)
+    assert not library_serves(a.cpu(), bias.cpu(), act, None) and not library_serves(a, bias, "gelu", None)
+    out = torch.full((*a_shape[:-1], N), float("nan"), device="cuda", dtype=dtype)
+    assert _library_gemm(a, b, bias, act, bt, out) is out
+    ref = gemm_ref(a.double(), b.double(), bias.double(), act, b_transposed=bt)
+    _close(out.double(), ref, _tol(dtype))
+    if dtype == torch.float32 and act == "gelu_tanh":
+        erf = gemm_ref(a.double(), b.double(), bias.double(), "gelu", b_transposed=bt)
+        rel = lambda r: ((out.double() - r).norm() / r.norm()).item()  # noqa: E731
+        assert rel(ref) < 1e-5 < 5e-5 < rel(erf), (rel(ref), rel(erf))  # the two GELUs: 1.4e-4 apart
+
+
+@pytest.mark.gpu
+def test_gemm_chooses_the_library_epilogue_by_timing(tmp_path, monkeypatch):
+    """gemm times cuBLASLt's epilogue against the tuned TileLang kernel once per shape bucket, caches the
+    winner on disk with the tuning, and runs it; arch= keeps the TileLang kernel, untimed against it."""
+    from tkopt.kernels import gemm_epilogue, tuning
+
+    if not _gpu_arch_ok("sm90"):
+        pytest.skip("no sm90 GPU")
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TKOPT_AUTOTUNE", "1")  # the GPU session's tests run with tuning off
+    monkeypatch.setattr(gemm_epilogue, "_LIBRARY_CHOSEN", {})
+    monkeypatch.setattr(gemm_epilogue, "_SELECTED", {})
+    tuning.clear_memory_cache()
+    torch.manual_seed(5)
+    a = torch.randn(4, 96, 768, device="cuda", dtype=torch.float16)
+    w = torch.randn(3072, 768, device="cuda", dtype=torch.float16) / 768**0.5
+    bias = torch.randn(3072, device="cuda", dtype=torch.float16)
+    ref = gemm_ref(a.double(), w.double(), bias.double(), "gelu_tanh", b_transposed=True)
+    gemm(a, w, bias, "gelu_tanh", b_transposed=True, arch="sm90")
+    assert not (tmp_path / tuning.file_name("gemm_library", "sm90")).exists()
+    _close(gemm(a, w, bias, "gelu_tanh", b_transposed=True).double(), ref, 1e-2)
+    entry = next(iter(tuning._read(str(tmp_path / tuning.file_name("gemm_library", "sm90"))).values()))
+    timings = {c["kernel"]: t for c, t in entry["timings"]}
+    assert set(timings) == {"tilelang", "cublaslt"} and all(t > 0 for t in timings.values()), timings
+    assert entry["config"]["kernel"] == min(timings, key=timings.get)
+    assert list(gemm_epilogue._LIBRARY_CHOSEN.values()) == [entry["config"]["kernel"] == "cublaslt"]
+    _close(gemm(a, w, bias, "gelu_tanh", b_transposed=True).double(), ref, 1e-2)
