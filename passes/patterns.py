@@ -186,8 +186,16 @@ def close(got: float | None, want: float, rel: float = 1e-3, abs_tol: float = 1e
     return got is not None and math.isclose(got, want, rel_tol=rel, abs_tol=abs_tol)
 
 
-def const_problem(what: str, got: float | None, want: float, rel: float = 1e-3) -> str | None:
-    """None if `got` matches `want`, else a refusal reason naming the constant and both values."""
+# Unit roundoff of the 16-bit floats: how far from the number it stands for such a constant can be.
+ROUNDING = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def const_problem(what: str, got: float | None, want: float, rel: float = 1e-3, dtype: str | None = None) -> str | None:
+    """None if `got` matches `want`, else a refusal reason naming the constant and both values. `dtype`: the
+    constants' dtype. A 16-bit float cannot hold `want` within `rel` (fp16's sqrt(2/pi) is 0.79785, 4e-5 off,
+    and its 1/sqrt(2) 0.70703, 1.1e-4 off), so two of its roundings more are allowed: a coefficient may be a
+    product or quotient of two constants, and a model of that dtype computes no closer anyway."""
+    rel = max(rel, 2 * ROUNDING.get(dtype or "", 0.0))
     if got is None:
         return f"{what} is not a constant scalar (expected {want:.6g})"
     if not close(got, want, rel):

@@ -144,8 +144,8 @@ def _gelu_erf(graph: Graph, ix: GraphIndex, erf: Node, result: PassResult) -> bo
     if not outer:
         return False
     p, out = outer
-    problem = const_problem("erf argument scale", scaled.coeff, SQRT1_2, rel=1e-4) or const_problem(
-        "outer coefficient", p.coeff, 0.5, rel=1e-4
+    problem = const_problem("erf argument scale", scaled.coeff, SQRT1_2, rel=1e-4, dtype=x.dtype) or const_problem(
+        "outer coefficient", p.coeff, 0.5, rel=1e-4, dtype=x.dtype
     )
     if problem:
         result.refuse(erf, f"GELU (erf form) near match: {problem}")
@@ -186,9 +186,9 @@ def _gelu_tanh(graph: Graph, ix: GraphIndex, tanh: Node, result: PassResult) -> 
         return False
     p, out = outer
     problem = (
-        const_problem("tanh argument scale", scaled.coeff, SQRT_2_PI, rel=1e-4)
-        or const_problem("cubic coefficient", cube.coeff, GELU_CUBIC, rel=1e-4)
-        or const_problem("outer coefficient", p.coeff, 0.5, rel=1e-4)
+        const_problem("tanh argument scale", scaled.coeff, SQRT_2_PI, rel=1e-4, dtype=x.dtype)
+        or const_problem("cubic coefficient", cube.coeff, GELU_CUBIC, rel=1e-4, dtype=x.dtype)
+        or const_problem("outer coefficient", p.coeff, 0.5, rel=1e-4, dtype=x.dtype)
     )
     if problem:
         result.refuse(tanh, f"GELU (tanh form) near match: {problem}")

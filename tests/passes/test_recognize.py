@@ -63,12 +63,13 @@ def test_gelu_erf_forms(form):
     _check(_gelu_erf(form), "Gelu", {"approximate": "none"})
 
 
-def _gelu_tanh(cube: str, kappa: float = 0.044715) -> Builder:
+def _gelu_tanh(cube: str, kappa: float = 0.044715, dtype: torch.dtype = torch.float32) -> Builder:
     b = Builder()
-    x = b.input("x", SHAPE)
-    x3 = b.op("Pow", x, 3.0) if cube == "pow" else b.op("Mul", b.op("Mul", x, x), x)
-    inner = b.op("Mul", math.sqrt(2 / math.pi), b.op("Add", x, b.op("Mul", kappa, x3)))
-    y = b.op("Mul", b.op("Mul", 0.5, x), b.op("Add", 1.0, b.op("Tanh", inner)))
+    x = b.input("x", SHAPE, dtype)
+    c = lambda v: b.const(v, dtype=dtype)  # noqa: E731 - constants of x's dtype, as exporters write them
+    x3 = b.op("Pow", x, c(3.0)) if cube == "pow" else b.op("Mul", b.op("Mul", x, x), x)
+    inner = b.op("Mul", c(math.sqrt(2 / math.pi)), b.op("Add", x, b.op("Mul", c(kappa), x3)))
+    y = b.op("Mul", b.op("Mul", c(0.5), x), b.op("Add", c(1.0), b.op("Tanh", inner)))
     b.output(y)
     return b
 
@@ -76,6 +77,22 @@ def _gelu_tanh(cube: str, kappa: float = 0.044715) -> Builder:
 @pytest.mark.parametrize("cube", ["pow", "mul"])
 def test_gelu_tanh_forms(cube):
     _check(_gelu_tanh(cube), "Gelu", {"approximate": "tanh"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gelu_in_16_bit_constants(dtype):
+    """A 16-bit model's constants are the coefficients rounded to its dtype (fp16's sqrt(2/pi) reads 0.798, 1.4e-4
+    off, beyond the fp32 tolerance): both forms are recognized; a coefficient off by more is still refused."""
+    atol = 1e-2 if dtype == torch.float16 else 4e-2  # the chain rounds each step to the dtype: ~an ulp at |y| ~ 3
+    _check(_gelu_tanh("pow", dtype=dtype), "Gelu", {"approximate": "tanh"}, atol=atol)
+    b = Builder()
+    x = b.input("x", SHAPE, dtype)
+    erf = b.op("Erf", b.op("Div", x, b.const(math.sqrt(2), dtype=dtype)))
+    b.output(b.op("Mul", b.op("Mul", x, b.const(0.5, dtype=dtype)), b.op("Add", erf, b.const(1.0, dtype=dtype))))
+    _check(b, "Gelu", {"approximate": "none"}, atol=atol)
+    off = _gelu_tanh("pow", kappa=0.0455, dtype=dtype)  # 1.8% off: more than two bfloat16 roundings
+    r = apply(off.graph, recognize_gelu)
+    assert "Gelu" not in ops(off.graph) and "cubic coefficient is 0.04" in reasons(r)
 
 
 @pytest.mark.parametrize(
