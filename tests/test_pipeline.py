@@ -399,7 +399,7 @@ def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) 
     fast = tkopt.compile(model, inputs)
     report = fast.tkopt_report
     assert report.target == "torch-cuda"
-    _check_measured(report, {"eager", "inductor"})
+    _check_measured(report, {"eager"})
     # an alternative that won is what runs; tkopt's program, fused or with its fusions put back, runs as its own
     assert (fast.plain is None) == (report.whole_graph.winner in ("tkopt", UNFUSED))
     print(report)
@@ -436,9 +436,12 @@ def test_cuda_races_both_programs_as_their_own_graphs(cache_dir, monkeypatch) ->
     fast = tkopt.compile(model, inputs)
     w = fast.tkopt_report.whole_graph
     print(fast.tkopt_report)
-    assert set(w.times_ms) == {"tkopt", UNFUSED, "eager", "inductor"}, w
+    # torch.compile(module) is not raced: the unfused program is inductor's code under CUDA graphs already
+    assert set(w.times_ms) == {"tkopt", UNFUSED, "eager"}, w
     # the unfused program and the alternatives were compiled and captured while the kernels built
-    parts = {"whole graph: first calls, while kernels build", "whole graph: first calls"}
+    parts = {"whole graph: first calls, while kernels build", "whole graph: first calls",
+             "whole graph: first calls, while kernels build: tkopt's programs",
+             "whole graph: first calls, while kernels build: eager", "kernels: the build wave itself"}
     assert parts <= set(fast.tkopt_report.seconds)
     spec = fast.specializations[-1]
     assert all(key[1] is spec.run for key in fast.graphs.graphs) if spec.graphed else not fast.graphs.graphs

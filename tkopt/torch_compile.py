@@ -12,16 +12,18 @@ tkopt warns and exports statically.
 Each specialization goes through tkopt.pipeline with a torch target (tkopt.targets.torch_target): by
 default (select="measured") each fusion is kept only where it measured faster than what it replaces on
 the device, and the whole result only where it measured faster than what the user already has: the
-module itself, eager, and on CUDA also `torch.compile(module)` with torch's defaults, each called as the
-user would call it, alternating with tkopt's result called through this module (measure.race). On CUDA
-tkopt's result is inductor's code under CUDA graphs around the fused nodes, so it stands in for
-mode="reduce-overhead" too: it is raced even with no fusion kept. mode="reduce-overhead" itself is not
-raced in this process: after tkopt's own CUDA graphs, its CUDA-graph trees faulted the device on the H200
-(nn.TransformerEncoderLayer, torch 2.11: "unspecified launch failure"). Where an alternative wins, calls
-go straight to it with the user's arguments, so they cost what it costs; where it wins the first
+module itself, eager, called as the user would call it, alternating with tkopt's result called through
+this module (measure.race). On CUDA tkopt's result is inductor's code under CUDA graphs around the fused
+nodes, and it is raced with every fusion put back too (and with no fusion kept): that program is what
+torch.compile with CUDA graphs gives, so it stands in for both torch.compile modes, and torch.compile(module)
+itself, one more whole cold compile, is not raced. In the H200 races of the benchmark models that timed
+both (2026-12-01 to 03), torch.compile(module) took 0.96-8.1x that program's time; its best, on GPT-2, is
+within the few percent a race flatters uncaptured code by (pipeline._whole). mode="reduce-overhead" itself
+is not raced in this process: after tkopt's own CUDA graphs, its CUDA-graph trees faulted the device on the
+H200 (nn.TransformerEncoderLayer, torch 2.11: "unspecified launch failure"). Where eager wins, calls go
+straight to the module with the user's arguments, so they cost what it costs; where it wins the first
 comparison (the one tkopt.compile makes), every later call does, and no input signature is optimized
-again (the alternative handles new shapes as it would without tkopt: eager, or torch.compile's automatic
-dynamic shapes).
+again.
 
 On CUDA inputs (and with autograd off) each exact input signature is captured once as a CUDA graph
 and replayed afterwards (tkopt.cuda_graphs): the per-op Python dispatch would otherwise cost more
@@ -275,7 +277,7 @@ class CompiledModule(nn.Module):
             a, kw = unbox((args, kwargs))[0]
             return fn(*a, **kw)
 
-        target = TorchTarget((args, kwargs), wrap=wrap, alternatives=self._alternatives(device),
+        target = TorchTarget((args, kwargs), wrap=wrap, alternatives=self._alternatives(),
                              cuda_graphs=self.cuda_graphs, inductor=use_inductor, as_user=as_user, call=call)
         result = optimize(graph, target, select=self.select, disable=self.disable, source=type(self.module).__name__)
         result.report.seconds = {"export": exported, **result.report.seconds}
@@ -314,14 +316,10 @@ class CompiledModule(nn.Module):
             log.info("tkopt.compile: optimized specialization %d for a new input signature", len(self.specializations))
         return entry
 
-    def _alternatives(self, device: torch.device) -> dict[str, Any]:
-        """What a user of this module already has, exactly as they would have it (built on demand): the module
-        itself, and on CUDA torch.compile of it with torch's defaults (reduce-overhead: see the module
-        docstring)."""
-        alternatives: dict[str, Any] = {"eager": lambda: self.module}
-        if device.type == "cuda":
-            alternatives["inductor"] = lambda: torch.compile(self.module)
-        return alternatives
+    def _alternatives(self) -> dict[str, Any]:
+        """What a user of this module already has, exactly as they would have it: the module itself. On CUDA
+        torch.compile(module) is not raced: see the module docstring."""
+        return {"eager": lambda: self.module}
 
     def _call(self, index: int, run: Any, boxer: Boxer, boxed: tuple[tuple, dict], flat: list[Any],
               spec: pytree.TreeSpec) -> Any:

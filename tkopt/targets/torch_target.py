@@ -67,7 +67,7 @@ from tkopt.input_sizes import (
 from tkopt.ir import Graph, Node, Value
 from tkopt.kernels import tuning
 from tkopt.kernels.tuning import shape_bucket
-from tkopt.kernels.workers import Cancel
+from tkopt.kernels.workers import Cancel, Compile
 from tkopt.measure import Timer, Timing, compare, per_call, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
@@ -224,7 +224,7 @@ class TorchTarget(Target):
         sizes = [size.dims for size in sized[1][1:]] if sized is not None else []
         with self._timed("kernels: parallel builds"), ThreadPoolExecutor(1) as builder:
             cancel = Cancel()
-            built = builder.submit(prebuild, nodes, self.device, self.fingerprint(), sizes, self.build_workers, cancel)
+            built = builder.submit(self._wave, nodes, sizes, cancel)
             try:
                 if meanwhile is not None:
                     meanwhile()
@@ -239,6 +239,14 @@ class TorchTarget(Target):
         record_built([n for k, group in groups.items() if reasons[k] is None for n in group], self.device,
                      self.fingerprint(), sizes)
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
+
+    def _wave(self, nodes: list[Node], sizes: list[Mapping[Any, int]], cancel: Cancel) -> list[Compile]:
+        """prebuild, its own duration kept apart: what runs beside it may take longer."""
+        t0 = time.perf_counter()
+        try:
+            return prebuild(nodes, self.device, self.fingerprint(), sizes, self.build_workers, cancel)
+        finally:
+            self.seconds["kernels: the build wave itself"] = time.perf_counter() - t0
 
     def _probe(self, node: Node) -> str | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -363,10 +371,11 @@ class TorchTarget(Target):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.no_grad(), self._timed("whole graph: first calls, while kernels build"):
-            firsts = [(self.as_user(run), run) for run in map(self.runner, programs)]
-            firsts += [(alt, alt) for alt in map(self.alternative, self.factories)]
-            for fn, inner in firsts:
-                with contextlib.suppress(Exception):
+            firsts = [("tkopt's programs", self.as_user(run), run) for run in map(self.runner, programs)]
+            firsts += [(name, alt, alt) for name, alt in ((n, self.alternative(n)) for n in self.factories)]
+            for name, fn, inner in firsts:
+                with self._timed(f"whole graph: first calls, while kernels build: {name}"), \
+                        contextlib.suppress(Exception):
                     self.call(fn)
                     self.called.add(id(inner))
 
