@@ -24,6 +24,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
+from tkopt.frontends.layout_copies import drop_layout_copies
 from tkopt.ir import Graph, Node, Value
 
 INT64_MAX = 2**63 - 1
@@ -523,6 +524,7 @@ def import_fx(
     """Import an ExportedProgram (before or after run_decompositions) or an fx.GraphModule."""
     if isinstance(model, torch.export.ExportedProgram):
         gm = model.module()  # unlifted: parameters, buffers and lifted constants are get_attr
+        drop_layout_copies(gm)  # torch's slow paths' copies before attention (a copy of the program: ours to edit)
         graph = FxImporter(gm, "exported_program").run()
         graph.meta["exported_program"] = model
         return graph
