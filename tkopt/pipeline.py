@@ -15,7 +15,8 @@ sealed; here the report is made.
 4. seal: drop what only the unfused fallbacks read.
 5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
 6. whole graph ("measured"): the artifact against the plain alternatives the user already has (eager;
-   torch.compile; the original model in ORT), at the example inputs. Nodes
+   for the torch.compile backend, inductor's compile of Dynamo's graph; the original model in ORT), at the
+   example inputs. Nodes
    interact (layouts, the optimizations a fused node blocks), so a set of winning nodes can still lose as
    a whole: the faster one is returned, so tkopt is never slower than what it replaces, by construction.
    With no fusion kept, only the alternatives are compared (and with one, none is timed), unless the
@@ -128,7 +129,7 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     build = [n for n in candidates if n.name not in declined]
     racing = cache is not None and bool(target.alternatives())
     # Where the target's program adds something of its own, that program with no fusion is raced too: nodes
-    # that each won alone can still lose together (and on CUDA it stands in for torch.compile's CUDA graphs).
+    # that each won alone can still lose together (and on CUDA it stands in for torch.compile, with CUDA graphs).
     # It and the alternatives need no kernel, so they are readied (compiled, captured) while kernels build,
     # where selection will measure: with every node's decision cached, so is the whole graph's, most likely
     # (one compile stores both), and kept nodes' kernels then load while nothing needs readying.
