@@ -19,14 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import fx
-from torch._prims_common import (
-    compute_elementwise_output_logical_to_physical_perm,
-    invert_perm,
-    is_non_overlapping_and_dense_or_false,
-)
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx.proxy import GraphAppendingTracer
 
 from tkopt.frontends.fx import node_val
+from tkopt.frontends.layout_copies import restride
 from tkopt.fused_ops import schema
 from tkopt.ir import Graph, Node, Value
 
@@ -196,13 +193,7 @@ class _Rebuilder:
         """
         if val.is_contiguous() or not is_non_overlapping_and_dense_or_false(val):
             return out
-        perm, _ = compute_elementwise_output_logical_to_physical_perm(val)
-        aten = torch.ops.aten
-        phys = self.new.call_function(aten.permute.default, (out, perm))
-        dense = self.new.call_function(aten.clone.default, (phys,), {"memory_format": torch.contiguous_format})
-        restrided = self.new.call_function(aten.permute.default, (dense, invert_perm(perm)))
-        restrided.meta["val"] = val
-        return restrided
+        return restride(self.new, out, val)
 
     def emit(self, node: Node) -> None:
         if node.is_fused:

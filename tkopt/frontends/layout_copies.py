@@ -35,8 +35,7 @@ _VIEWS = {
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unflatten.int,
 }
 _SDPA = (aten.scaled_dot_product_attention.default,)
-_SOURCE_VIEWS = {aten.view.default, aten.reshape.default, aten.unflatten.int, aten.unsqueeze.default,
-                 aten.transpose.int, aten.squeeze.dim, aten.squeeze.dims, aten.permute.default}
+_SOURCE_VIEWS = _VIEWS - {aten.select.int, aten._unsafe_view.default}  # what may lie between source and copy
 
 
 class Unproved(Exception):
@@ -151,22 +150,14 @@ class Tracked:
         self.dims = dims
 
 
-def _source(copy: fx.Node) -> fx.Node:
-    """The first non-view node behind `copy` through single-use views (where tracking starts)."""
-    src = copy.args[0]
+def _source(copy: fx.Node) -> tuple[Any, list[fx.Node]]:
+    """The first non-view node behind `copy` through single-use views (where tracking starts), and those views
+    from it to `copy`, in order."""
+    src, path = copy.args[0], []
     while isinstance(src, fx.Node) and src.target in _SOURCE_VIEWS and len(src.users) == 1:
+        path.insert(0, src)
         src = src.args[0]
-    return src
-
-
-def _path(copy: fx.Node, src: fx.Node) -> list[fx.Node]:
-    """The views from `src` to `copy`, in order."""
-    path: list[fx.Node] = []
-    n = copy.args[0]
-    while n is not src:
-        path.insert(0, n)
-        n = n.args[0]
-    return path
+    return src, path
 
 
 def _terminals(copy: fx.Node) -> list[list[fx.Node]] | None:
@@ -251,7 +242,7 @@ def _rewrite(graph: fx.Graph, copy: fx.Node) -> bool:
     chains = _terminals(copy)
     if chains is None:
         return False
-    src = _source(copy)
+    src, pre = _source(copy)
     if not isinstance(src, fx.Node) or not isinstance(src.meta.get("val"), torch.Tensor):
         return False
     moved = _transposed_linear(src)
@@ -261,7 +252,6 @@ def _rewrite(graph: fx.Graph, copy: fx.Node) -> bool:
         x = lin.args[0].args[0]
         base_val = aten.linear.default(x.meta["val"], *[a.meta["val"] if isinstance(a, fx.Node) else a
                                                         for a in lin.args[1:]])
-    pre = _path(copy, src)
     plans: list[tuple[list[fx.Node], Tracked]] = []
     try:
         for chain in chains:
@@ -302,16 +292,22 @@ def _keep_output_layout(graph: fx.Graph, sdpa: fx.Node) -> None:
     if all(_same(_expr(a), _expr(b)) for a, b in zip(old.stride(), new.stride(), strict=True)):
         return
     users = list(sdpa.users)
-    perm, _ = compute_elementwise_output_logical_to_physical_perm(old)
-    with graph.inserting_after(sdpa):
-        phys = _call(graph, aten.permute.default, sdpa, perm)
-    with graph.inserting_after(phys):
-        dense = graph.call_function(aten.clone.default, (phys,), {"memory_format": torch.contiguous_format})
-        dense.meta["val"] = aten.clone.default(phys.meta["val"], memory_format=torch.contiguous_format)
-    with graph.inserting_after(dense):
-        restored = _call(graph, aten.permute.default, dense, invert_perm(perm))
+    with graph.inserting_before(sdpa.next):
+        restored = restride(graph, sdpa, old)
     for u in users:
         u.replace_input_with(sdpa, restored)
+
+
+def restride(graph: fx.Graph, node: fx.Node, val: torch.Tensor) -> fx.Node:
+    """`node` (its value in `node.meta["val"]`) in `val`'s dense memory order, at the graph's insertion point:
+    permute into that order, copy contiguous, permute back. Each new node records its value."""
+    perm, _ = compute_elementwise_output_logical_to_physical_perm(val)
+    phys = _call(graph, aten.permute.default, node, perm)
+    dense = graph.call_function(aten.clone.default, (phys,), {"memory_format": torch.contiguous_format})
+    dense.meta["val"] = aten.clone.default(phys.meta["val"], memory_format=torch.contiguous_format)
+    out = _call(graph, aten.permute.default, dense, invert_perm(perm))
+    out.meta["val"] = val
+    return out
 
 
 def drop_layout_copies(gm: fx.GraphModule) -> int:
