@@ -62,6 +62,7 @@ from tkopt.object_trees import Boxed, Boxer, unbox
 from tkopt.pipeline import optimize
 from tkopt.report import Report
 from tkopt.state_guard import StateGuard
+from tkopt.targets.kernel_builds import workers_ahead
 from tkopt.targets.torch_target import TorchTarget, first_device
 
 log = logging.getLogger(__name__)
@@ -253,6 +254,10 @@ class CompiledModule(nn.Module):
     @gc_paused()
     def specialize(self, args: tuple, kwargs: dict) -> Specialization:
         """Export and optimize for boxed (args, kwargs) (see `forward`)."""
+        with workers_ahead():
+            return self._specialize(args, kwargs)
+
+    def _specialize(self, args: tuple, kwargs: dict) -> Specialization:
         t0 = time.perf_counter()
         ep = _export(self.module, args, kwargs, self.dynamic)
         graph = import_fx(ep)

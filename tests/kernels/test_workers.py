@@ -1,5 +1,6 @@
-"""kernels/workers.py and the parallel precompile: work runs in fresh interpreters that never re-run the
-user's script (issue 8: a spawn pool re-imported __main__, repeating a script without a main guard)."""
+"""kernels/workers.py and the parallel precompile: work runs in workers forked from a fresh interpreter that
+never re-run the user's script (issue 8: a spawn pool re-imported __main__, repeating a script without a main
+guard)."""
 
 import os
 import subprocess
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from tkopt.kernels.workers import map_in_workers
+from tkopt.kernels.workers import map_in_workers, zygote
 
 
 def test_map_in_workers_returns_results_in_job_order():
@@ -27,6 +28,24 @@ def test_a_free_worker_takes_the_next_job():
     (a fixed round-robin deal gave the long job's worker the third job too, which then waited behind it)."""
     pids = map_in_workers(_pid_after, [2.0, 0.01, 0.01, 0.01], 2)
     assert pids[0] not in pids[1:] and len(set(pids[1:])) == 1, pids
+
+
+def _where(key: str) -> tuple[str | None, str, bool, int]:
+    return os.environ.get(key), os.getcwd(), "colorsys" in sys.modules, os.getppid()
+
+
+def test_workers_fork_from_the_zygote_started_ahead_in_the_callers_state(tmp_path, monkeypatch):
+    """Inside `zygote(modules)` the workers fork from the zygote started at its top: they have its imports
+    without importing (what the build wave's workers skip), and they run in the caller's environment and
+    folder of the moment, set after the zygote started (TileLang's and tkopt's cache folders are read so)."""
+    with zygote(["colorsys"]):
+        monkeypatch.setenv("TKOPT_WORKERS_TEST", "set later")
+        monkeypatch.chdir(tmp_path)
+        first, second = map_in_workers(_where, ["TKOPT_WORKERS_TEST"] * 2, 2)
+    assert first[:3] == ("set later", str(tmp_path), True), first
+    assert first[3] == second[3] != os.getpid()  # both forked from one zygote
+    alone = map_in_workers(_where, ["TKOPT_WORKERS_TEST"], 1)[0]  # outside: a zygote of its own, without colorsys
+    assert alone[:3] == ("set later", str(tmp_path), False) and alone[3] != first[3], alone
 
 
 def test_map_in_workers_refuses_main_and_reports_a_dead_worker():

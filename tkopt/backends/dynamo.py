@@ -53,6 +53,7 @@ from tkopt.frontends.fx import import_fx, node_val
 from tkopt.frontends.sdpa_op import keep_sdpa_whole
 from tkopt.gc_pause import gc_paused
 from tkopt.pipeline import optimize
+from tkopt.targets.kernel_builds import workers_ahead
 from tkopt.targets.torch_target import TorchTarget, first_device
 
 log = logging.getLogger(__name__)
@@ -218,8 +219,9 @@ def make_backend(disable: Iterable[str] = (), cuda_graphs: bool = True, select: 
         on_gpu = first_device(example_inputs).type == "cuda"
         inference = not needs_autograd(example_inputs)
         use_inductor = (on_gpu if inductor is None else inductor) and inference
-        optimized, run = optimize_graph_module(aten_forward(gm, example_inputs, inference), disabled, example_inputs,
-                                               select, cuda_graphs, plain=gm, inductor=use_inductor)
+        with workers_ahead():
+            optimized, run = optimize_graph_module(aten_forward(gm, example_inputs, inference), disabled,
+                                                   example_inputs, select, cuda_graphs, plain=gm, inductor=use_inductor)
         if run is not None:  # inductor's program, or a plain alternative that measured faster
             backend.graph_modules.append(optimized)
             return run

@@ -22,21 +22,22 @@ planned at each size: a GEMM of few rows at the example tunes at the larger size
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from tkopt.cache import JsonFile, cache_path, digest, versions
-from tkopt.fused_ops import schema
+from tkopt.fused_ops import schema, use_kernels
 from tkopt.fused_ops.base import TORCH_DTYPES as DTYPES
 from tkopt.fused_ops.base import InputSpec
 from tkopt.input_sizes import size_at
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
-from tkopt.kernels.workers import Cancel, Compile, compile_job, default_workers, map_in_workers
+from tkopt.kernels.workers import Cancel, Compile, compile_job, default_workers, map_in_workers, zygote
 
 
 def example_specs(node: Node, at: Mapping[Any, int] | None = None) -> list[InputSpec]:
@@ -214,6 +215,19 @@ def build_workers() -> int | None:
         return max(1, int(value))
     except ValueError:
         raise ValueError(f"TKOPT_BUILD_WORKERS must be a number of workers, got {value!r}") from None
+
+
+@contextlib.contextmanager
+def workers_ahead() -> Iterator[None]:
+    """The wave's workers' zygote (tkopt.kernels.workers), started now, where kernels run and a wave may start
+    workers, so that it imports the kernel modules while the caller exports and fuses (3-4 s, which every cold
+    wave waited for); ended with the block. A warm compile, whose wave starts none, pays those imports on a
+    core the export leaves idle."""
+    if not use_kernels() or (build_workers() or default_workers(2)) < 2:
+        yield
+        return
+    with zygote(sorted({fn.split(":")[0] for fn in BUILD_SECONDS})):
+        yield
 
 
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
