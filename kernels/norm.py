@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from .arch import Build, UnsupportedError, arch_of, run_pass_configs, run_target
+from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .constants import const
 from .tuning import median_ms, tuning_suspended
 from .tuning import pick_config as _pick_config
@@ -68,8 +68,9 @@ _compiled: dict[tuple, object] = {}
 COMPILE_LOG: list[tuple[str, float]] = []  # (key, seconds) of every compile this process did
 
 
-def compile_cached(key: tuple, arch: str, build: Callable[[], object]):
-    """Compile build() for arch once per process (TileLang also caches on disk across processes)."""
+def compile_cached(key: tuple, arch: str, build: Callable[[], object], device: str | None = None):
+    """Compile build() for arch, to run on `device` ("sm_90"; None: this machine's GPU), once per process per
+    key (TileLang also caches on disk across processes)."""
     kern = _compiled.get(key)
     if kern is not None:
         return kern
@@ -87,7 +88,8 @@ def compile_cached(key: tuple, arch: str, build: Callable[[], object]):
                     kern = tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
             else:
                 # sm80 on a newer GPU is built for that GPU with Hopper features off (arch.run_target).
-                kern = tilelang.compile(func, target=run_target(arch), pass_configs=run_pass_configs(arch))
+                kern = tilelang.compile(func, target=run_target(arch, device),
+                                        pass_configs=run_pass_configs(arch, device))
             COMPILE_LOG.append((repr(key), time.perf_counter() - t0))
             _compiled[key] = kern
     return kern
@@ -426,7 +428,8 @@ def planned_kernels(kind: str, x, residual, weight, bias, eps: float, return_sum
         return [Compile.of(compile_norm, kind, n, dt, wdt, "cpu", fkey, None)]
     default, cands = _tuning_space(n, dt, build.arch)
     configs = planned_configs(f"{kind}_norm", build.arch, (n, dt, wdt, fkey), cands, default)
-    return [Compile.of(compile_norm, kind, n, dt, wdt, build.arch, fkey, tuple(sorted(c.items()))) for c in configs]
+    return [Compile.of(compile_norm, kind, n, dt, wdt, build.arch, fkey, tuple(sorted(c.items())), build.gpu)
+            for c in configs]
 
 
 def _add_norm(kind, x, residual, weight, bias, eps, return_sum, out, sum_out, arch):
@@ -503,13 +506,18 @@ def _tuning_space(n: int, dtype: str, arch: str) -> tuple[dict, list[dict]]:
     return default_norm_config(n, elem, arch), norm_candidates(n, elem, arch)
 
 
-def compile_norm(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flags: tuple, config: tuple | None):
-    """The compiled norm kernel for its keys: `flags` and (GPU only) `config` as sorted items."""
-    key = ("norm", kind, n, dtype, w_dtype, arch, flags, config)
+def compile_norm(kind: str, n: int, dtype: str, w_dtype: str, arch: str, flags: tuple, config: tuple | None,
+                 device: str | None = None):
+    """The compiled norm kernel for its keys: `flags` and (GPU only) `config` as sorted items, to run on `device`
+    (the GPU's "sm_90"; None: this machine's, asked of CUDA). The build wave names it, as it does for every
+    kernel: its jobs only compile, and need no GPU."""
     if arch == "cpu":
+        key = ("norm", kind, n, dtype, w_dtype, arch, flags, config)
         return compile_cached(key, arch, lambda: norm_program_cpu(kind, n, dtype, w_dtype, **dict(flags)))
+    device = device or device_sm()
+    key = ("norm", kind, n, dtype, w_dtype, arch, flags, config, device)
     return compile_cached(key, arch, lambda: norm_program_gpu(kind, n, dtype, w_dtype, **dict(flags),
-                                                              **dict(config or ())))
+                                                              **dict(config or ())), device)
 
 
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, *, return_sum: bool = True,

@@ -91,6 +91,12 @@ while True:
 """
 
 
+# TileLang's import asks torch whether CUDA is there; through the CUDA runtime that initializes CUDA, which a
+# forked child then cannot use ("initialization error"). Through NVML (torch's switch for forking parents) it
+# does not, so the workers, which get the caller's environment without it, may use CUDA as a fresh process does.
+_NO_CUDA_INIT = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
 class Zygote:
     """A started zygote (module docstring) that imported `modules`; `fork()` starts a worker from it. Each
     worker runs in the caller's environment and `sys.path` of its fork: TileLang and tkopt read their settings
@@ -102,7 +108,8 @@ class Zygote:
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _ZYGOTE, pickle.dumps(list(sys.path)).hex(), str(theirs.fileno()),
-                 pickle.dumps(list(modules)).hex()], stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
+                 pickle.dumps(list(modules)).hex()], stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+                env=_NO_CUDA_INIT | os.environ)
         self._lock = threading.Lock()
 
     def serves(self) -> bool:

@@ -48,6 +48,22 @@ def test_workers_fork_from_the_zygote_started_ahead_in_the_callers_state(tmp_pat
     assert alone[:3] == ("set later", str(tmp_path), False) and alone[3] != first[3], alone
 
 
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+@pytest.mark.gpu
+def test_workers_forked_from_the_zygote_may_use_cuda():
+    """The zygote imports TileLang, which asks torch about CUDA: where that initialized CUDA, every forked
+    worker's CUDA call failed (the norm compiles of a cold GPT-2 wave did, and ran again in the probes, 7 s)."""
+    import torch
+
+    with zygote(["tilelang", "tkopt.kernels.attention", "tkopt.kernels.norm"]):
+        assert map_in_workers(_capability, [0, 0], 2) == [torch.cuda.get_device_capability(0)] * 2
+
+
 def test_map_in_workers_refuses_main_and_reports_a_dead_worker():
     def local(x):
         return x

@@ -23,6 +23,7 @@ planned at each size: a GEMM of few rows at the example tunes at the larger size
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,6 +39,8 @@ from tkopt.input_sizes import size_at
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
 from tkopt.kernels.workers import Cancel, Compile, compile_job, default_workers, map_in_workers, zygote
+
+log = logging.getLogger(__name__)
 
 
 def example_specs(node: Node, at: Mapping[Any, int] | None = None) -> list[InputSpec]:
@@ -246,11 +249,14 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
     known = JsonFile(cache_path("built-kernels.json")).read()
     todo = {key: job for key, job in jobs.items() if key not in known}
     workers = workers or build_workers() or default_workers(len(todo))
-    failed: set[str] = set()
+    failed: dict[str, str] = {}
     if workers >= 2 and len(todo) >= 2:
         try:
             results = map_in_workers(compile_job, list(todo.values()), workers, cancel)
-            failed = {key for key, why in zip(todo, results, strict=True) if why is not None}
+            failed = {key: why for key, why in zip(todo, results, strict=True) if why is not None}
+            if failed:  # a kernel that cannot be built fails again where it is used, and is reported there
+                log.info("tkopt: %d of %d kernel builds failed in the workers (%s); they build here as they are used",
+                         len(failed), len(todo), next(iter(failed.values())))
         except Exception as e:  # noqa: BLE001 - parallel builds are an optimization, never a requirement
             warnings.warn(f"tkopt: building kernels in {workers} workers failed ({type(e).__name__}: {e}); "
                           "building them one at a time", stacklevel=2)
