@@ -502,8 +502,9 @@ def precompile(keys, workers: int | None = None) -> dict:
     """Compile kernels (tuples of compiled_kernel's positional arguments) in parallel; returns
     {key: (seconds or None, error or None)} for the keys not already compiled in this process.
 
-    Workers are fresh interpreters (kernels/workers.py: never the user's __main__) that fill TileLang's disk
-    cache, from which later compiled_kernel calls here load. With one worker, compiles here, in memory."""
+    Workers are processes forked from a fresh interpreter (kernels/workers.py: never the user's __main__) that
+    fill TileLang's disk cache, from which later compiled_kernel calls here load. With one worker, compiles
+    here, in memory."""
     todo = [k for k in dict.fromkeys(kernel_key(*k) for k in keys) if k not in _CACHE]
     if not todo:
         return {}

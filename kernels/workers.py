@@ -111,9 +111,11 @@ class Zygote:
                  pickle.dumps(list(modules)).hex()], stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
                 env=_NO_CUDA_INIT | os.environ)
         self._lock = threading.Lock()
+        self._owner = os.getpid()
 
     def serves(self) -> bool:
-        return self._proc.poll() is None
+        """Whether it is running and this process started it (a process forked from the caller shares its socket)."""
+        return self._owner == os.getpid() and self._proc.poll() is None
 
     def fork(self) -> tuple[int, IO[bytes], IO[bytes]]:
         """A new worker: (its pid, the pipe its jobs go into, the pipe its results come from). Waits for the

@@ -6,8 +6,9 @@ kernel tunes at those shapes, each tuning candidate (the probe takes the first: 
 that is not one), else the default config (`FusedOp.compiles`, from the kernels' own `planned_kernels`). Each
 is one job of the wave, deduplicated across nodes, so the wave balances and nothing compiles twice. Jobs only
 compile: no kernel runs, so they need no GPU, and workers never time. TileLang's lowering holds the GIL, so
-threads do not overlap builds; fresh interpreters do
-(tkopt.kernels.workers), and TileLang's disk cache hands what they built to this process, which then loads
+threads do not overlap builds; processes do (forked from
+one interpreter that imported the kernel modules, started before the export: tkopt.kernels.workers,
+`workers_ahead`), and TileLang's disk cache hands what they built to this process, which then loads
 each compiled kernel into its kernels' caches: the probes that follow (one run of each distinct kernel on
 random inputs of the example's shapes and strides, tuning off) only check, and tuning at the real shapes only
 times (it starts no compiles of its own). Kernels this machine has built before
