@@ -20,6 +20,8 @@ def _space(kernel: str, arch: str, key: list) -> tuple[dict, list[dict]]:
         m, n, dtype, precision = key[0], key[1], getattr(torch, key[3].removeprefix("torch.")), key[8]
         default, cands = gemm_epilogue.tuning_space(arch, m, n, dtype, kernel == "gated_mlp", precision, 132)
         return gemm_epilogue._candidate(default), cands
+    if kernel == "gemm_library":  # TileLang's kernel or cuBLASLt's fused epilogue, per GEMM key
+        return gemm_epilogue._TILELANG, [gemm_epilogue._TILELANG, gemm_epilogue._LIBRARY]
     if kernel == "flash_attention":
         return attention._tuning_space(arch, tuple(key))
     if kernel in ("layer_norm", "rms_norm"):
@@ -30,7 +32,7 @@ def _space(kernel: str, arch: str, key: list) -> tuple[dict, list[dict]]:
 def test_the_shipped_winners_cover_the_benchmark_kernels() -> None:
     assert {f.name for f in FILES} >= {"tune-gemm-sm90.json", "tune-flash_attention-sm90.json",
                                        "tune-layer_norm-sm90.json", "tune-rms_norm-sm90.json",
-                                       "tune-gated_mlp-sm90.json"}
+                                       "tune-gated_mlp-sm90.json", "tune-gemm_library-sm90.json"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])
