@@ -5,9 +5,12 @@ above it. Imports inside functions count: a circle broken only by a deferred imp
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Installed as tkopt.* (pyproject's package-dir): folder -> package name.
@@ -85,3 +88,13 @@ def test_the_graph_is_real() -> None:
     assert g.has_edge("tkopt.pipeline", "tkopt.passes.pipeline")
     assert g.has_edge("tkopt.ort.library", "tkopt.ort.native")  # relative import
     assert g.has_edge("tkopt.bench_torch", "tkopt.torch_compile")  # import inside a function
+
+
+@pytest.mark.parametrize("folder", ["kernels", "passes", "models"])
+def test_a_package_imported_by_its_folder_name_says_why(folder: str) -> None:
+    """From a checkout's root (the working directory on sys.path), `import kernels` finds tkopt.kernels' folder
+    first, hiding the hub's `kernels` package that transformers >= 5 imports (CI's transformers models all failed
+    on it, with an error that named neither): it stops with one line that says what happened."""
+    r = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert f"(tkopt.{folder}) was imported as `{folder}`" in r.stderr and "from another folder" in r.stderr
