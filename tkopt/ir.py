@@ -11,12 +11,12 @@ semantics. A node that stands for others keeps `replaced`, the original nodes it
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
 import numpy as np
 
 Dim = int | str | None  # int: static; str: symbolic (e.g. "batch"); None: unknown
@@ -164,29 +164,37 @@ class Graph:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
-    # ---- graph questions (networkx) -----------------------------------------------------------
-    def to_networkx(self) -> nx.DiGraph:
-        """Node-level dataflow graph: an edge u -> v when v reads an output of u."""
-        g = nx.DiGraph()
-        prod = self.producers()
-        for n in self.nodes:
-            g.add_node(n)
-        for n in self.nodes:
-            for v in n.inputs:
-                if v is not None and id(v) in prod:
-                    g.add_edge(prod[id(v)], n)
-        return g
-
+    # ---- order --------------------------------------------------------------------------------
     def toposort(self) -> bool:
-        """Reorder nodes topologically, keeping the current order where it is free (stable); returns whether
-        any node moved. An order that is already topological is kept as it is, without building the networkx
-        graph: fusing sorts after every node it places, which rarely moves anything (BERT-base: 110 sorts,
-        ~0.2 s with networkx on CPU)."""
+        """Reorder nodes topologically, keeping the current order where it is free (stable: of the nodes whose
+        producers are placed, the earliest in the current order goes next); returns whether any node moved.
+        Raises ValueError on a cycle. An order that is already topological is kept as it is, without sorting:
+        fusing sorts after every node it places, which rarely moves anything (BERT-base: 110 sorts). Kahn's
+        algorithm on a heap, not networkx: importing networkx cost every compile 0.4-0.8 s."""
         if self.is_sorted():
             return False
-        order = {n: i for i, n in enumerate(self.nodes)}
-        g = self.to_networkx()
-        self.nodes = list(nx.lexicographical_topological_sort(g, key=order.__getitem__))
+        prod = self.producers()
+        readers: list[list[int]] = [[] for _ in self.nodes]
+        waiting = [0] * len(self.nodes)
+        position = {id(n): i for i, n in enumerate(self.nodes)}
+        for i, n in enumerate(self.nodes):
+            for p in {position[id(prod[id(v)])] for v in n.inputs if v is not None and id(v) in prod}:
+                readers[p].append(i)
+                waiting[i] += 1
+        ready = [i for i, w in enumerate(waiting) if w == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for r in readers[i]:
+                waiting[r] -= 1
+                if waiting[r] == 0:
+                    heapq.heappush(ready, r)
+        if len(order) < len(self.nodes):
+            stuck = [self.nodes[i].name for i, w in enumerate(waiting) if w > 0]
+            raise ValueError(f"graph {self.name} has a cycle through {', '.join(stuck[:5])}")
+        self.nodes = [self.nodes[i] for i in order]
         return True
 
     def is_sorted(self) -> bool:
