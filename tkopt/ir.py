@@ -170,7 +170,7 @@ class Graph:
         producers are placed, the earliest in the current order goes next); returns whether any node moved.
         Raises ValueError on a cycle. An order that is already topological is kept as it is, without sorting:
         fusing sorts after every node it places, which rarely moves anything (BERT-base: 110 sorts). Kahn's
-        algorithm on a heap, not networkx: importing networkx cost every compile 0.4-0.8 s."""
+        algorithm on a heap, not networkx, whose import cost every compile 0.36 s (2-core CPU, -X importtime)."""
         if self.is_sorted():
             return False
         prod = self.producers()
