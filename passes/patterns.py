@@ -188,18 +188,28 @@ def close(got: float | None, want: float, rel: float = 1e-3, abs_tol: float = 1e
 
 # Unit roundoff of the 16-bit floats: how far from the number it stands for such a constant can be.
 ROUNDING = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+# A float64 model's coefficient: what its digits may miss the number by. A float64 model computes to ~1e-16, so a
+# coefficient rounded to float32 (torch's dynamo exporter writes Python scalars so: sqrt(2/pi) as 0.79788458,
+# 3e-8 off) moves its results by ~1e-8, and the fused op, which computes the exact function, would not reproduce
+# them (fuzz seed 2050).
+FLOAT64_REL = 1e-12
 
 
 def const_problem(what: str, got: float | None, want: float, rel: float = 1e-3, dtype: str | None = None) -> str | None:
     """None if `got` matches `want`, else a refusal reason naming the constant and both values. `dtype`: the
-    constants' dtype. A 16-bit float cannot hold `want` within `rel` (fp16's sqrt(2/pi) is 0.79785, 4e-5 off,
-    and its 1/sqrt(2) 0.70703, 1.1e-4 off), so two of its roundings more are allowed: a coefficient may be a
-    product or quotient of two constants, and a model of that dtype computes no closer anyway."""
+    constants' dtype. `rel` is the tolerance of a float32 model. A 16-bit float cannot hold `want` within it
+    (fp16's sqrt(2/pi) is 0.79785, 4e-5 off, and its 1/sqrt(2) 0.70703, 1.1e-4 off), so two of its roundings more
+    are allowed: a coefficient may be a product or quotient of two constants, and a model of that dtype computes
+    no closer anyway. A float64 model's must be right to FLOAT64_REL."""
+    abs_tol = 1e-6
+    if dtype == "float64":
+        rel, abs_tol = FLOAT64_REL, 0.0
     rel = max(rel, 2 * ROUNDING.get(dtype or "", 0.0))
     if got is None:
         return f"{what} is not a constant scalar (expected {want:.6g})"
-    if not close(got, want, rel):
-        return f"{what} is {got:.6g}, expected {want:.6g} (relative tolerance {rel:g})"
+    if not close(got, want, rel, abs_tol):
+        model = f" in a {dtype} model" if dtype else ""
+        return f"{what} is {got!r}, expected {want!r} (relative tolerance {rel:g}{model})"
     return None
 
 

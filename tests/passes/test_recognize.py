@@ -63,10 +63,13 @@ def test_gelu_erf_forms(form):
     _check(_gelu_erf(form), "Gelu", {"approximate": "none"})
 
 
-def _gelu_tanh(cube: str, kappa: float = 0.044715, dtype: torch.dtype = torch.float32) -> Builder:
+def _gelu_tanh(cube: str, kappa: float = 0.044715, dtype: torch.dtype = torch.float32,
+               digits: torch.dtype | None = None) -> Builder:
+    """`digits`: the dtype the constants' values are rounded to before they are stored in x's."""
     b = Builder()
     x = b.input("x", SHAPE, dtype)
-    c = lambda v: b.const(v, dtype=dtype)  # noqa: E731 - constants of x's dtype, as exporters write them
+    rounded = (lambda v: torch.tensor(v, dtype=digits).item()) if digits else float
+    c = lambda v: b.const(rounded(v), dtype=dtype)  # noqa: E731 - constants of x's dtype, as exporters write them
     x3 = b.op("Pow", x, c(3.0)) if cube == "pow" else b.op("Mul", b.op("Mul", x, x), x)
     inner = b.op("Mul", c(math.sqrt(2 / math.pi)), b.op("Add", x, b.op("Mul", c(kappa), x3)))
     y = b.op("Mul", b.op("Mul", c(0.5), x), b.op("Add", c(1.0), b.op("Tanh", inner)))
@@ -93,6 +96,21 @@ def test_gelu_in_16_bit_constants(dtype):
     off = _gelu_tanh("pow", kappa=0.0455, dtype=dtype)  # 1.8% off: more than two bfloat16 roundings
     r = apply(off.graph, recognize_gelu)
     assert "Gelu" not in ops(off.graph) and "cubic coefficient is 0.04" in reasons(r)
+
+
+def test_gelu_in_float64_needs_its_exact_constants():
+    """A float64 model computes to ~1e-16: its GELU is recognized with exact coefficients, and refused with the
+    coefficients rounded to float32 (torch's dynamo exporter stores Python scalars so, as float64 tensors), which
+    move its results by ~1e-8: the fused op computes the exact function and would not reproduce them."""
+    node = _check(_gelu_tanh("pow", dtype=torch.float64), "Gelu", {"approximate": "tanh"}, atol=1e-12)
+    assert node.inputs[0].dtype == "float64"
+    off = _gelu_tanh("pow", dtype=torch.float64, digits=torch.float32)
+    r = apply(off.graph, recognize_gelu)
+    assert "Gelu" not in ops(off.graph)
+    assert "tanh argument scale is 0.7978845834732056, expected 0.7978845608028654" in reasons(r)
+    assert "in a float64 model" in reasons(r)
+    r = apply(_gelu_tanh("pow", digits=torch.float32).graph, recognize_gelu)  # float32: its own digits
+    assert r.changed == 1
 
 
 @pytest.mark.parametrize(
