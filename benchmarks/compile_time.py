@@ -39,6 +39,9 @@ import whole_models as wm  # the model table and variants (run as a script, its 
 from torch import nn
 
 VARIANTS = {"torch_compile": "inductor", "tkopt": "tkopt"}  # ours -> whole_models.make_variant's name
+# What --compile-bytecode compiles ahead: the packages either tool imports while it compiles.
+BYTECODE_PACKAGES = ("torch", "triton", "sympy", "tilelang", "tvm", "tvm_ffi", "tkopt", "tkopt.kernels", "tkopt.passes",
+                     "tkopt.models")
 RUNS = ("cold", "warm")
 LAPS = ("export", "passes", "kernels", "selection", "emit", "whole graph")
 # A CPU smoke run's model: the encoder layer's shape at a size the CPU compiles in seconds.
@@ -47,9 +50,10 @@ TINY = wm.Model("encoder_layer_tiny_2x16", lambda: nn.TransformerEncoderLayer(64
 MODELS = {**wm.MODELS, TINY.name: TINY}
 
 
-def child(model_name: str, variant: str, calls: int, profile: bool = False) -> dict[str, Any]:
+def child(model_name: str, variant: str, calls: int, profile: str | None = None) -> dict[str, Any]:
     """One measurement in this (fresh) process: build the compiled object, call it once, time `calls` more.
-    With `profile`, cProfile's top functions (cumulative) of the build and first call go in "profile"."""
+    With `profile` (a file name), cProfile's top functions (cumulative) of the build and first call go in
+    "profile", and the whole profile to that file (pstats)."""
     m = MODELS[model_name]
     torch.manual_seed(0)
     model = m.module()
@@ -62,6 +66,7 @@ def child(model_name: str, variant: str, calls: int, profile: bool = False) -> d
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
             fn = wm.make_variant(VARIANTS[variant], model, inputs)
+            out["build_s"] = time.perf_counter() - t0
             got = fn(*inputs)
             wm._sync()
         out["first_call_s"] = time.perf_counter() - t0
@@ -69,6 +74,7 @@ def child(model_name: str, variant: str, calls: int, profile: bool = False) -> d
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
             out["profile"] = text.getvalue()
+            profiler.dump_stats(profile)
         after = []
         for _ in range(calls):
             t = time.perf_counter()
@@ -86,13 +92,18 @@ def child(model_name: str, variant: str, calls: int, profile: bool = False) -> d
     return out
 
 
-def measure(model: str, variant: str, dirs: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One child process; `dirs` holds its caches (fresh for "cold", the cold run's again for "warm")."""
+def measure(model: str, variant: str, run: str, dirs: Path, args: argparse.Namespace,
+            bytecode: Path | None = None) -> dict[str, Any]:
+    """One child process; `dirs` holds its caches (fresh for "cold", the cold run's again for "warm"), `bytecode`
+    the packages' compiled bytecode (compile_bytecode)."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(dirs / "inductor"), TRITON_CACHE_DIR=str(dirs / "triton"))
+    if bytecode is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(bytecode)
     if variant == "tkopt":
         env.update(TKOPT_CACHE_DIR=str(dirs / "tkopt"), TILELANG_CACHE_DIR=str(dirs / "tilelang"))
     cmd = [sys.executable, __file__, "--child", model, variant, "--device", args.device, "--calls", str(args.calls),
-           *(["--profile"] if args.profile else [])]
+           *(["--profile-to", str(Path(args.out, f"{model}-{variant}-{run}.prof"))] if args.profile else [])]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
@@ -109,6 +120,24 @@ def measure(model: str, variant: str, dirs: Path, args: argparse.Namespace) -> d
         return result
     result.update(json.loads(last[0]))
     return result
+
+
+def compile_bytecode(prefix: Path) -> float:
+    """Compile the packages either tool imports into `prefix`, every child's PYTHONPYCACHEPREFIX, as pip does when it
+    installs a package; returns the seconds it took. Where no bytecode cache is kept (the H200 machine), each fresh
+    process compiles every module it imports from source: 3.0 s of torch.compile's warm first call and 3.7 s of
+    tkopt.compile's in their profiles (2026-12-03, call 2), a cost no installed package has."""
+    import compileall
+    import importlib.util
+
+    t0 = time.perf_counter()
+    sys.pycache_prefix = str(prefix)
+    for name in BYTECODE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+            # a package's own path, links unresolved: the bytecode's name in the prefix is the path imports see
+            compileall.compile_dir(folder, quiet=2, workers=os.cpu_count() or 1)
+    return time.perf_counter() - t0
 
 
 def ratios(row: dict[str, Any]) -> dict[str, float | None]:
@@ -166,12 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 smoke run of the script only")
     p.add_argument("--calls", type=int, default=5, help="calls timed after the first")
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds one measurement may take")
-    p.add_argument("--profile", action="store_true", help="cProfile each compile and first call (in the JSON)")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile each compile and first call (top functions in the JSON; pstats files in --out)")
+    p.add_argument("--compile-bytecode", action="store_true",
+                   help="compile both tools' Python packages to bytecode first, as an install does (compile_bytecode)")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    p.add_argument("--profile-to", help=argparse.SUPPRESS)  # a child's pstats file
     args = p.parse_args(argv)
     wm.DEVICE, wm.DTYPE = args.device, torch.float16 if args.device == "cuda" else torch.float32
     if args.child:
-        print(json.dumps(child(*args.child, args.calls, args.profile)))
+        print(json.dumps(child(*args.child, args.calls, args.profile_to)))
         return 0
     if args.out is None:
         p.error("--out is required")
@@ -187,9 +220,15 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(["benchmarks/compile_time.py", *(argv if argv is not None else sys.argv[1:])]),
-            "env": {k: v for k, v in os.environ.items() if k.startswith("TKOPT_")}}
+            "env": {k: v for k, v in os.environ.items() if k.startswith("TKOPT_")},
+            # Without bytecode caches every fresh process compiles each module it imports from source, both tools'
+            "bytecode caches": "compiled ahead" if args.compile_bytecode
+            else "not written" if sys.dont_write_bytecode else "written"}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="compile_time.") as tmp:
+        bytecode = Path(tmp, "bytecode") if args.compile_bytecode else None
+        if bytecode is not None:
+            meta["bytecode compiled ahead, s"] = round(compile_bytecode(bytecode), 1)
         for model in models:
             print(f"{model}:", flush=True)
             row: dict[str, Any] = {"model": model, "runs": {}}
@@ -197,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             for variant in VARIANTS:
                 dirs = Path(tmp, model, variant)
                 for run in RUNS:
-                    v = row["runs"].setdefault(variant, {})[run] = measure(model, variant, dirs, args)
+                    v = row["runs"].setdefault(variant, {})[run] = measure(model, variant, run, dirs, args, bytecode)
                     print(f"  {variant} {run}: " + (v["error"] if "error" in v else
                           f"first call {v['first_call_s']:.1f} s, after {_after(v)} ms"
                           + (f", laps {json.dumps({k: round(s, 1) for k, s in v['seconds'].items()})}"

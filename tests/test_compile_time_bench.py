@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +15,24 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_time.py"
 
 
-@pytest.mark.slow  # four fresh interpreters, two of them compiling with inductor: ~20 s
+@pytest.mark.slow  # bytecode for torch, then four fresh interpreters, two compiling with inductor: ~40 s
 def test_cpu_smoke_run_measures_cold_and_warm_in_fresh_processes(tmp_path) -> None:
     env = dict(os.environ, TKOPT_KERNELS="reference")  # the script, not TileLang's CPU compiles, is under test
-    r = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--calls", "2", "--out", str(tmp_path)],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--calls", "2", "--out", str(tmp_path),
+                        "--profile", "--compile-bytecode"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    [row] = json.loads((tmp_path / "compile_time.json").read_text())["results"]
+    result = json.loads((tmp_path / "compile_time.json").read_text())
+    assert result["meta"]["bytecode caches"] == "compiled ahead" and result["meta"]["bytecode compiled ahead, s"] > 0
+    [row] = result["results"]
     assert row["model"] == "encoder_layer_tiny_2x16"
     for variant in ("torch_compile", "tkopt"):
         for run in ("cold", "warm"):
             v = row["runs"][variant][run]
             assert "error" not in v and 0 < v["first_call_s"] < v["process_s"], v
             assert len(v["after_ms"]) == 2 and v["max_rel_err"] < 1e-4, v
+            assert 0 < v["build_s"] < v["first_call_s"] and "cumulative" in v["profile"], v
+            profile = pstats.Stats(str(tmp_path / f"encoder_layer_tiny_2x16-{variant}-{run}.prof"))
+            assert profile.total_tt > 0
     tkopt = row["runs"]["tkopt"]
     assert {"passes", "kernels", "emit"} <= set(tkopt["cold"]["seconds"]) and tkopt["warm"]["fused"]
     cold, warm = row["ratios"]["cold"], row["ratios"]["warm"]
