@@ -9,7 +9,8 @@ with random weights; float32; batch 1, sequence 128 by default) it measures:
   its op library;
 
 each variant's median and fastest latency over `--runs` calls after a warm-up, the variants of one side
-timed in turn within each round (so drift hits them alike), with the ratios `eager / tkopt.compile` and
+timed in turn within each round (so drift hits them alike; ORT's sessions with their workers' spinning off, as
+tkopt's own race has them: tkopt.ort.run.session says why), with the ratios `eager / tkopt.compile` and
 `plain ORT / tkopt` of both (> 1: tkopt faster; on a shared machine the fastest call is the steadier
 number, other processes only ever add time), and the machine's load average. It also records each tkopt
 compile's wall time twice: cold (an empty TKOPT_CACHE_DIR; TileLang's own cache as found) and warm (the
@@ -116,18 +117,20 @@ def onnx_side(model: torch.nn.Module, inputs: tuple, kind: str, heads: int, hidd
 
     import tkopt
     from tkopt.models.export import export_onnx
+    from tkopt.ort import run
     from tkopt.ort.run import make_inputs
+    from tkopt.ort.session import library_for
 
     path = export_onnx(model, inputs, work / "model.onnx", dynamo=True)
     feeds = {k: v for k, v in zip(("input_ids", "attention_mask"), (t.numpy() for t in inputs), strict=True)}
     names = {i.name for i in ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_inputs()}
     feeds = {k: v for k, v in feeds.items() if k in names} or make_inputs(__import__("onnx").load(str(path)))
-    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    plain = run.session(path, spinning=False)
     opt_path = work / "ort_optimized.onnx"
     try:
         optimized = optimize_model(str(path), model_type=kind, num_heads=heads, hidden_size=hidden)
         optimized.save_model_to_file(str(opt_path))
-        ort_opt, opt_error = ort.InferenceSession(str(opt_path), providers=["CPUExecutionProvider"]), None
+        ort_opt, opt_error = run.session(opt_path, spinning=False), None
     except Exception as e:  # noqa: BLE001 - the second anchor is optional; say why it is missing
         ort_opt, opt_error = None, f"{type(e).__name__}: {e}"
     out = work / "model.tkopt.onnx"
@@ -137,7 +140,7 @@ def onnx_side(model: torch.nn.Module, inputs: tuple, kind: str, heads: int, hidd
     t0 = time.perf_counter()
     _, again = tkopt.optimize_onnx(path, work / "again.tkopt.onnx", report=False, target="cpu")
     warm = time.perf_counter() - t0
-    fused = tkopt.ort.InferenceSession(out)
+    fused = run.session(out, library_for(out), spinning=False)
     want = plain.run(None, feeds)[0]
     err = float(np.abs(fused.run(None, feeds)[0] - want).max() / np.abs(want).max())
     variants = {"ort": plain, "ort_transformers_optimizer": ort_opt, "tkopt": fused}

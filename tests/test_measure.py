@@ -123,3 +123,37 @@ def test_a_small_nodes_replay_holds_several_calls_so_its_time_is_not_a_launch() 
     alone, t = timer(one), timer(many)
     each = per_call((t, t), calls)[0]
     assert calls > 1 and each.min_ms < alone.min_ms, (calls, each, alone)
+
+
+def test_a_burst_sample_is_a_calls_cost_once_the_workers_are_awake() -> None:
+    """A call that pays a wake-up after a quiet spell (ONNX Runtime's CPU workers asleep), and not when it follows
+    another at once: a burst sample is the awake cost, as inside a model; a plain sample in turns is the wake-up."""
+    last = [0.0]
+
+    def fn() -> None:
+        now = time.perf_counter()
+        time.sleep(0.004 if now - last[0] > 0.002 else 0.0)
+        last[0] = time.perf_counter()
+
+    asleep, awake = Timer("cpu", runs=3, warmup=0), Timer("cpu", runs=3, warmup=0, burst=4, pause_s=0.005)
+    slow = []
+    for _ in range(3):
+        time.sleep(0.005)
+        slow.append(asleep.sample(fn))
+    assert min(slow) > 3.5 and awake.sample(fn) < 1.0
+
+
+def test_sessions_raced_in_turns_leave_their_workers_asleep(tmp_path) -> None:
+    """run.session(spinning=False): a session raced in turns with others lets its workers sleep when idle."""
+    import onnx
+
+    from tkopt.ort import run
+
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    key = "session.intra_op.allow_spinning"
+    assert run.session(model, spinning=False).get_session_options().get_session_config_entry(key) == "0"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's default: its workers spin
+        run.session(model).get_session_options().get_session_config_entry(key)

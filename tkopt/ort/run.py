@@ -33,13 +33,19 @@ def providers(arch: str | None) -> list[str]:
 
 
 def session(model: onnx.ModelProto | str | Path, library: str | Path | None = None,
-            provider_list: Sequence[str] = CPU_PROVIDERS) -> Any:
+            provider_list: Sequence[str] = CPU_PROVIDERS, spinning: bool = True) -> Any:
     """An ORT session, with the tkopt op library registered when given. A ModelProto of 2 GB or more
-    goes through a temporary file with external data (ORT reads it while creating the session)."""
+    goes through a temporary file with external data (ORT reads it while creating the session). Without
+    `spinning` its CPU workers sleep as soon as they are idle: sessions timed in turns in one process then leave
+    each other the cores. With it (ORT's default, what a process running one model has) each session's workers
+    spin after every run and slowed the next session's: a 4-layer Llama raced against two other models took
+    42.6 ms (median) where it takes 18.0 alone and 19.8 raced without spinning (2 cores, 2026-12-05)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 4  # errors reach the caller as exceptions; ORT's logger would print them again
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if library is not None:
         so.register_custom_ops_library(str(Path(library).resolve()))
     if not isinstance(model, onnx.ModelProto):
