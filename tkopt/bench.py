@@ -251,7 +251,8 @@ def bench_onnx(
     notes: list[str] = [chose] if chose else []
     with tempfile.TemporaryDirectory(prefix="tkopt-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        result = optimize(graph, OrtTarget(target, original, tmp), select=select, disable=disable)
+        ort_target = OrtTarget(target, original, tmp)
+        result = optimize(graph, ort_target, select=select, disable=disable)
         rep, fused_model, library = result.report, result.artifact.model, result.artifact.library
         if result.winner == "tkopt":
             check(fused_model)
@@ -263,21 +264,24 @@ def bench_onnx(
                             feeds, names, providers)
         want = unfused.results()
         timings = {"unfused": time_calls(unfused, runs, warmup)}
+        fused_nodes = [n for n in result.graph.nodes if n.is_fused] if result.winner == "tkopt" else []
+        lowered = ort_target.lowered(fused_nodes)
         if library is not None or not has_fused_nodes(fused_model):
             external = True if graph.meta["external_data"] else None
             fused_path = save(fused_model, tmp / "fused.onnx", external_data=external)
             fused = run.Bound(run.session(fused_path, library, providers), feeds, names, providers)
             got = fused.results()
             timings["fused"] = time_calls(fused, runs, warmup)
-            runner, claims = (f"ort + tkopt op library ({target})" if library else "ort (nothing fused)"), True
+            runner = (f"ort + tkopt op library ({target})" if library else
+                      "ort (fused nodes as ONNX Runtime's own ops)" if lowered else "ort (nothing fused)")
+            claims = True
         else:
             got = run_hybrid(fused_model, feeds)
             runner, claims = "hybrid (standard ops in ORT, fused ops via torch references)", False
             notes.append("no --target: the fused model ran 'hybrid' (fused ops through tkopt's torch references, "
                          "not kernels); accuracy only, no speed claim")
-        fused_nodes = [n for n in result.graph.nodes if n.is_fused] if result.winner == "tkopt" else []
-        node_rows = (onnx_node_rows(result.graph, fused_nodes, original, feeds, providers, library, runs, warmup)
-                     if nodes else [])
+        node_rows = (onnx_node_rows(result.graph, fused_nodes, original, feeds, providers, library, runs, warmup,
+                                    lowered) if nodes else [])
     return BenchResult(
         kind="onnx", source=source, device=providers[0].removesuffix("ExecutionProvider").lower(),
         fused_runner=runner, outputs=[output_error(n, got[n], want[n]) for n in names], timings=timings,
@@ -288,10 +292,11 @@ def bench_onnx(
 
 
 def onnx_node_rows(graph: Graph, fused: list[Node], original: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
-                   providers: list[str], library: Path | None, runs: int, warmup: int) -> list[NodeBench]:
-    """A NodeBench per fused node: a one-node model (on `library`; without one, the node's torch
-    reference, errors only) against a model of its replaced nodes, on its inputs as computed by the
-    original model from `feeds`."""
+                   providers: list[str], library: Path | None, runs: int, warmup: int,
+                   lowered: Mapping[str, list[onnx.NodeProto]]) -> list[NodeBench]:
+    """A NodeBench per fused node: a one-node model (as ORT's own ops where `lowered` has it, else on `library`;
+    without one, the node's torch reference, errors only) against a model of its replaced nodes, on its inputs
+    as computed by the original model from `feeds`."""
     from tkopt.ort import run
     from tkopt.targets.ort_target import nodes_model, outer_inputs
 
@@ -312,8 +317,9 @@ def onnx_node_rows(graph: Graph, fused: list[Node], original: onnx.ModelProto, f
         want = unfused.results()
         row.unfused = time_calls(unfused, runs, warmup)
         ffeeds = {v.name: values[v.name] for v in outer_inputs([n])}
-        if library is not None:
-            fused = run.Bound(run.session(nodes_model(graph, [n], n.outputs, n.name), library, providers), ffeeds,
+        if n.name in lowered or library is not None:
+            model = nodes_model(graph, [n], n.outputs, n.name, lowered)
+            fused = run.Bound(run.session(model, None if n.name in lowered else library, providers), ffeeds,
                               out_names, providers)
             got = fused.results()
             row.fused = time_calls(fused, runs, warmup)

@@ -179,6 +179,9 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
             artifact = target.alternative(winner)
         lap("whole graph")
     plain = winner != "tkopt"
+    for n in candidates:
+        if decisions[n.name].decision == "kept":
+            decisions[n.name].runs_as = target.runs_as(n) or ""
     laps.update(target.stage_seconds())
     report = Report(
         source=source or graph.meta.get("source") or graph.name, target=target.name, select=select, passes=passes,

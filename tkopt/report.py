@@ -39,6 +39,7 @@ class NodeDecision:
     fused_ms: float | None = None
     unfused_ms: float | None = None
     cached: bool = False
+    runs_as: str = ""  # kept: what it runs as where not tkopt's kernel (Target.runs_as)
 
     @property
     def speedup(self) -> float | None:
@@ -191,12 +192,12 @@ class Report:
         t.add_column("why", ratio=1)
         rows: dict[tuple, list[NodeDecision]] = {}
         for n in self.nodes:
-            rows.setdefault((n.node,) if verbose else (n.op, n.decision, n.reason), []).append(n)
+            rows.setdefault((n.node,) if verbose else (n.op, n.decision, n.reason, n.runs_as), []).append(n)
         for group in rows.values():
             n = group[0]
             mid = sorted(group, key=lambda d: d.speedup or 0.0)[len(group) // 2]
             x = "-" if mid.speedup is None else f"{mid.speedup:.2f}x"
-            why = n.reason + (" (cached)" if n.cached else "")
+            why = (n.reason or (f"runs as {n.runs_as}" if n.runs_as else "")) + (" (cached)" if n.cached else "")
             if verbose:
                 t.add_row(n.node, n.op, _decision(n.decision), _ms(n.fused_ms), _ms(n.unfused_ms), x, why)
             else:

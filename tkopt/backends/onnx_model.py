@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -110,20 +110,21 @@ def _rename(nodes: list[onnx.NodeProto], old: str, new: str) -> None:
                     field[i] = new
 
 
-def _emit(n: Node, out: list[onnx.NodeProto]) -> None:
+def _emit(n: Node, out: list[onnx.NodeProto], lowered: Mapping[str, list[onnx.NodeProto]]) -> None:
     if n.is_fused:
-        out.append(_fused_node(n))
+        out.extend(lowered.get(n.name) or [_fused_node(n)])
     elif n.origin is not None:
         _from_origin(n, out)
     elif n.replaced:  # a recognised canonical node nobody fused: its original nodes
         for r in n.replaced:
-            _emit(r, out)
+            _emit(r, out, lowered)
     else:
         out.append(_from_attrs(n))
 
 
-def export_onnx(graph: Graph) -> onnx.ModelProto:
-    """The ONNX model for `graph` (an imported one keeps its opsets, metadata and functions)."""
+def export_onnx(graph: Graph, lowered: Mapping[str, list[onnx.NodeProto]] | None = None) -> onnx.ModelProto:
+    """The ONNX model for `graph` (an imported one keeps its opsets, metadata and functions). `lowered`: fused
+    nodes, by name, that run as these nodes instead (ONNX Runtime's own ops, FusedOp.ort_ops)."""
     register_schemas()
     src: onnx.ModelProto | None = graph.meta.get("onnx_model")
     orig_inits: dict[str, onnx.TensorProto] = graph.meta.get("onnx_initializers", {})
@@ -131,7 +132,7 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
 
     nodes: list[onnx.NodeProto] = []
     for n in graph.nodes:
-        _emit(n, nodes)
+        _emit(n, nodes, lowered or {})
     produced = {o for p in nodes for o in p.output}
     input_names = {v.name for v in graph.inputs}
 
@@ -186,8 +187,9 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
         g.doc_string = src.graph.doc_string
     else:
         model = helper.make_model(g, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)], producer_name="tkopt")
-    if any(p.domain == FUSED_DOMAIN for p in nodes) and not any(o.domain == FUSED_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(FUSED_DOMAIN, FUSED_OPSET))
+    imported = {o.domain for o in model.opset_import} | {"", "ai.onnx"}
+    for domain in sorted({p.domain for p in nodes} - imported):  # tkopt's, and com.microsoft for ORT's own ops
+        model.opset_import.append(helper.make_opsetid(domain, FUSED_OPSET if domain == FUSED_DOMAIN else 1))
     return model
 
 

@@ -6,10 +6,11 @@ attributes with defaults, its output-shape rule, its torch reference (the one st
 semantics, on `tkopt.kernels.reference`), its kernel adapter (torch tensors to `tkopt.kernels`), its build
 plan (`compiles`: the kernel compiles a node's calls use, which the torch targets' build wave makes) and its
 native ORT binding (`program`: which TileLang program serves a node on an arch, and how the node's
-tensors bind to the program's buffers). Derived from it, with no per-op code elsewhere: the torch custom
-op `tkopt::<torch_name>` with its fake and autograd (backends/torch_ops.py), the ONNX schema and shape
-inference (onnx_schema.py), the native ORT library's bindings (ort/library.py) and the hybrid ONNX
-runner (onnx_runtime_ref.py).
+tensors bind to the program's buffers), and, where ONNX Runtime's own ops compute the node alike, those ops
+(`ort_ops`, which the ORT CPU target runs instead of the library's kernel). Derived from it, with no
+per-op code elsewhere: the torch custom op `tkopt::<torch_name>` with its fake and autograd
+(backends/torch_ops.py), the ONNX schema and shape inference (onnx_schema.py), the native ORT library's
+bindings (ort/library.py) and the hybrid ONNX runner (onnx_runtime_ref.py).
 
 Adding a fused op: write `<op>.py` here on the model of `add_norm.py` (plus its kernel in tkopt.kernels
 and its reference in kernels/reference.py), add its module to `_MODULES` below, and have a pass create

@@ -6,7 +6,7 @@ kind "layer" (LayerNorm: weight and bias optional) or "rms" (RMSNorm: weight opt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
@@ -25,6 +25,9 @@ from .base import (
     meta_tensors,
     static_dim,
 )
+
+if TYPE_CHECKING:
+    import onnx
 
 
 def _kind(attrs: dict[str, Any]) -> str:
@@ -117,6 +120,53 @@ def program(node: Node, arch: str) -> ProgramSpec:
                        out_shapes)
 
 
+# ONNX Runtime's CPU norms: float32 and float16 tensors of rank 2 or 3, computed in float32.
+ORT_DTYPES = ("float32", "float16")
+ORT_RANKS = (2, 3)
+
+
+def ort_ops(node: Node, arch: str) -> list[onnx.NodeProto]:
+    """The node as ONNX Runtime's own CPU ops: with a residual, SkipSimplifiedLayerNormalization or
+    SkipLayerNormalization (com.microsoft; their fourth output is X + residual, as Sum), without one
+    SimplifiedLayerNormalization or LayerNormalization (the default domain, which ORT runs at every opset). They
+    take a weight. They add and normalize in float32, as the kernels do; the RMS form sums squares as
+    the subgraph does. Their LayerNorm takes the variance in one pass (E[s^2] - E[s]^2), as ORT's
+    LayerNormalization does, which loses more than a two-pass variance where a row's mean dwarfs its spread:
+    the layer kind is served only where the subgraph itself was a LayerNormalization, so ORT computed it so
+    unfused as well."""
+    from onnx import helper
+
+    if arch != "cpu":
+        raise Unservable(f"{node.name}: ORT's own norms are used on the CPU only")
+    x, residual, weight, bias = node.inputs
+    rms = _kind(node.attrs) == "rms"
+    dtype = input_dtype(node)
+    if dtype not in ORT_DTYPES or x.rank not in ORT_RANKS:
+        raise Unservable(f"{node.name}: ORT's norms take {' or '.join(ORT_DTYPES)} tensors of rank 2 or 3, "
+                         f"not {dtype} of rank {x.rank}")
+    if any(v is not None and v.dtype != dtype for v in node.inputs):
+        raise Unservable(f"{node.name}: ORT's norms take one dtype for every input")
+    if not rms and not any(r.op == "LayerNormalization" and r.domain in ("", "ai.onnx") for r in node.replaced):
+        raise Unservable(f"{node.name}: ORT's LayerNorm takes a one-pass variance; this LayerNorm was not ORT's")
+    if weight is None:
+        raise Unservable(f"{node.name}: ORT's norms take a weight; this norm has none")
+    sum_out = node.outputs[1].name if len(node.outputs) > 1 else None
+    if residual is None and sum_out is not None:
+        raise Unservable(f"{node.name}: a Sum output without a residual")
+    eps = float(node.attrs["epsilon"])
+    beta = [bias.name] if bias is not None and not rms else []
+    if residual is not None:
+        op = "SkipSimplifiedLayerNormalization" if rms else "SkipLayerNormalization"
+        outs = [node.outputs[0].name, *(["", "", sum_out] if sum_out else [])]
+        proto = helper.make_node(op, [x.name, residual.name, weight.name, *beta], outs, name=node.name,
+                                 domain="com.microsoft", epsilon=eps)
+    else:
+        op = "SimplifiedLayerNormalization" if rms else "LayerNormalization"
+        proto = helper.make_node(op, [x.name, weight.name, *beta], [node.outputs[0].name], name=node.name, axis=-1,
+                                 epsilon=eps)
+    return [proto]
+
+
 OP = FusedOp(
     name="FusedAddNorm",
     torch_name="fused_add_norm",
@@ -130,4 +180,5 @@ OP = FusedOp(
     output_shapes=output_shapes,
     program=program,
     compiles=compiles,
+    ort_ops=ort_ops,
 )

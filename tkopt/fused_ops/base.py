@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tkopt.ir import Node, Value
 from tkopt.kernels.arch import Build
 from tkopt.kernels.workers import Compile
+
+if TYPE_CHECKING:
+    import onnx  # the torch backends never import it
 
 Tensor = torch.Tensor
 # The dtypes a fused op's tensors may have, by ONNX type constraint (IR dtype names): every tensor "T"
@@ -42,6 +45,8 @@ Derivation = tuple[Callable[..., Tensor], tuple[int, ...], tuple[Any, ...]]
 # (the node's inputs as tensors (example or fake values; None: absent or unknown), full attrs) -> its Derivation,
 # None where the input is not worth giving
 Derive = Callable[[Sequence[Tensor | None], dict[str, Any]], Derivation | None]
+# (node, arch) -> ONNX Runtime's own ops computing the node (raises Unservable where they do not serve it)
+OrtOps = Callable[[Node, str], list["onnx.NodeProto"]]
 
 
 class Unservable(ValueError):
@@ -77,7 +82,10 @@ class FusedOp:
     be built in parallel ahead of the calls (tkopt.targets.kernel_builds). `derived_inputs`: optional inputs
     that are functions of other inputs (a summary the kernel would otherwise compute per call), by name; the
     torch backend computes each once per graph for all the nodes whose Derivation is the same (same function,
-    same input values, same arguments), in aten ops that the residual compile fuses.
+    same input values, same arguments), in aten ops that the residual compile fuses. `ort_ops(node, arch)`:
+    ONNX Runtime's own ops (its contrib ops) computing the node's outputs from its inputs, with the same
+    arithmetic, where they serve it (raising Unservable where not); an ORT target runs them instead of the
+    library's kernel (tkopt.targets.ort_target).
     """
 
     name: str
@@ -94,6 +102,7 @@ class FusedOp:
     optional_outputs: frozenset[str] = frozenset()
     input_types: Mapping[str, str] = field(default_factory=dict)  # ONNX type constraint by input, else "T"
     derived_inputs: Mapping[str, Derive] = field(default_factory=dict)
+    ort_ops: OrtOps | None = None
 
     def full_attrs(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         unknown = set(attrs) - set(self.attrs)

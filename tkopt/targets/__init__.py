@@ -94,6 +94,11 @@ class Target(ABC):
         """The artifact of plain alternative `name` (when it beat tkopt's)."""
         raise NotImplementedError
 
+    def runs_as(self, node: Node) -> str | None:
+        """What a fused node runs as here where that is not tkopt's own kernel (ONNX Runtime's own ops), for the
+        report; None: its kernel."""
+        return None
+
     def stage_seconds(self) -> dict[str, float]:
         """Where the stages' time went inside the target ("stage: part" -> seconds), for the report."""
         return {}

@@ -5,11 +5,16 @@ as a one-node model on the op library against a model of the nodes it replaced, 
 its own kernels and graph optimizations (MLAS on CPU), both fed the values the original model computes
 at a few representative sizes of its dynamic dims. The final model is timed against the original in
 plain ORT. "onnx" (no target): fused nodes stay as references for the hybrid runner; nothing to measure.
+
+On "ort-cpu" a fused node that ONNX Runtime's own ops compute with the same arithmetic (FusedOp.ort_ops: an
+add + RMSNorm as com.microsoft's SkipSimplifiedLayerNormalization) runs as those ops instead of the library's
+kernel: ORT's CPU kernels run on its thread pool, TileLang's C backend emits serial scalar loops. It is
+measured, kept or declined like any fused node; what tkopt adds is the proof that the subgraph is that op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ import numpy as np
 import onnx
 
 from tkopt.backends.onnx_model import export_onnx
-from tkopt.fused_ops import schema
+from tkopt.fused_ops import Unservable, schema
 from tkopt.ir import FUSED_DOMAIN, Graph, Node, Value
 from tkopt.measure import Timer, Timing, compare, race
 from tkopt.ort import run
@@ -53,15 +58,17 @@ def outer_inputs(nodes: Sequence[Node]) -> list[Value]:
     return out
 
 
-def nodes_model(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Value], name: str) -> onnx.ModelProto:
+def nodes_model(graph: Graph, nodes: Sequence[Node], outputs: Sequence[Value], name: str,
+                lowered: Mapping[str, list[onnx.NodeProto]] | None = None) -> onnx.ModelProto:
     """An ONNX model of `nodes` alone: their outer non-constant inputs as graph inputs, constants as
-    initializers, `outputs` as graph outputs (written by the ONNX backend from a sub-Graph)."""
+    initializers, `outputs` as graph outputs (written by the ONNX backend from a sub-Graph; `lowered`: fused
+    nodes that run as ORT's own ops, OrtTarget.lowered)."""
     sub = Graph(name)
     sub.nodes = list(nodes)
     sub.inputs = outer_inputs(nodes)
     sub.outputs = list(outputs)
     sub.meta = {k: graph.meta[k] for k in ("onnx_model", "onnx_initializers", "onnx_import_consts") if k in graph.meta}
-    return export_onnx(sub)
+    return export_onnx(sub, lowered)
 
 
 class OrtTarget(Target):
@@ -118,7 +125,34 @@ class OrtTarget(Target):
         small = self._small(graph)
         if len(small) == len(_PROBE_SIZES):  # else dims stay unknown: a kernel that needs one says so
             fill_static_dims(graph, small)
-        return self.library.prepare(nodes)
+        lowered = self.lowered(nodes)
+        failed = self.library.prepare([n for n in nodes if n.name not in lowered])
+        for n in nodes:
+            if n.name in lowered:  # ORT's own ops: one run at a probe size checks that ORT takes them so
+                try:
+                    model = nodes_model(graph, [n], n.outputs, n.name, lowered)
+                    for values in small[:1]:
+                        _Run(model, None, run.providers(self.arch)).on(values)()
+                except Exception as e:  # noqa: BLE001 - ORT refusing its own op: the node runs unfused
+                    failed[n.name] = f"ONNX Runtime's {lowered[n.name][-1].op_type} failed: {type(e).__name__}: {e}"
+        return failed
+
+    def lowered(self, nodes: Sequence[Node]) -> dict[str, list[onnx.NodeProto]]:
+        """Those of `nodes` (fused) that run as ONNX Runtime's own ops here, by name: their ops
+        (FusedOp.ort_ops, the CPU only; the module docstring says why)."""
+        out: dict[str, list[onnx.NodeProto]] = {}
+        for n in nodes if self.arch == "cpu" else ():
+            lower = schema(n.op).ort_ops
+            try:
+                if lower is not None:
+                    out[n.name] = lower(n, self.arch)
+            except Unservable:
+                continue
+        return out
+
+    def runs_as(self, node: Node) -> str | None:
+        ops = self.lowered([node]).get(node.name)
+        return None if ops is None else f"ONNX Runtime's {ops[-1].op_type}"
 
     def _small(self, graph: Graph) -> list[dict[str, np.ndarray]]:
         """The fused nodes' inputs as the original model computes them at two small sizes (cheap runs): what
@@ -173,17 +207,21 @@ class OrtTarget(Target):
             else:
                 shapes.append([v.dtype, [list(vals[v.name].shape) if v.name in vals else v.shape
                                          for vals in self._small(graph)]])
-        return [node.op, schema(node.op).full_attrs(node.attrs), replaced_signature(node), shapes]
+        how = "ort ops" if self.lowered([node]) else "library"
+        return [node.op, schema(node.op).full_attrs(node.attrs), replaced_signature(node), shapes, how]
 
     def measure(self, graph: Graph, nodes: list[Node], wins: Wins) -> Iterator[Measured]:
         sized = self._sized([v.name for n in nodes for v in (*outer_inputs([n]), *outer_inputs(n.replaced))])
         assert self.library is not None
-        library = self.library.link(nodes, self.workdir / "candidates.so")
+        lowered = self.lowered(nodes)
+        kernels = [n for n in nodes if n.name not in lowered]
+        library = self.library.link(kernels, self.workdir / "candidates.so") if kernels else None
         providers = run.providers(self.arch)
         for n in nodes:
             m = Measured(n)
             try:
-                fused = _Run(nodes_model(graph, [n], n.outputs, n.name), library, providers)
+                on = None if n.name in lowered else library
+                fused = _Run(nodes_model(graph, [n], n.outputs, n.name, lowered), on, providers)
                 unfused = _Run(nodes_model(graph, n.replaced, n.outputs, f"{n.name}_unfused"), None, providers)
                 for label, values in sized:
                     pair = compare(fused.on(values), unfused.on(values), self.node_timer)
@@ -198,10 +236,12 @@ class OrtTarget(Target):
     # ---- emit and the whole graph -----------------------------------------------------------------
     def emit(self, graph: Graph) -> OnnxArtifact:
         fused = [n for n in graph.nodes if n.is_fused]
+        lowered = self.lowered(fused)
+        kernels = [n for n in fused if n.name not in lowered]
         library = None
-        if fused and self.library is not None:
-            library = self.library.link(fused, self.workdir / "ops.so")
-        return OnnxArtifact(export_onnx(graph), library)
+        if kernels and self.library is not None:
+            library = self.library.link(kernels, self.workdir / "ops.so")
+        return OnnxArtifact(export_onnx(graph, lowered), library)
 
     def alternatives(self) -> list[str]:
         return ["ort"]
