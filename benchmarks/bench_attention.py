@@ -4,13 +4,11 @@ Usage (on the GPU): python benchmarks/bench_attention.py [--prewarm N [--prewarm
 [--short [--only NAME ...]]
 (device run: see benchmarks/results/attention.md for the exact command; `--prewarm N` compiles this
 benchmark's kernels with N processes first, `--prewarm N --prewarm-only` also the GPU tests' kernels; run
-the GPU tests with
-`python -m pytest --import-mode=append -m gpu tests/kernels/test_attention.py` so that the repo-root
-`tkopt/` package does not shadow the shim that maps `tkopt.kernels` to `kernels/`).
+the GPU tests with `python -m pytest -m gpu tests/kernels/test_attention.py`).
 Prints a table: shape, causal, ms and TFLOP/s for SDPA and ours, ratio ours/SDPA (speed, >1 is faster).
 FLOPs: 4 * B * Hq * Sq * Skv * D (two GEMMs), halved for causal (Sq == Skv).
 Also: cold compile time (fresh TileLang cache dir, one key) and warm load (disk cache, fresh process).
-Tuning: TKOPT_AUTOTUNE=1 makes pick_config time the candidates in kernels/attention.py TUNE_CANDIDATES
+Tuning: TKOPT_AUTOTUNE=1 makes pick_config time the candidates in tkopt/kernels/attention.py TUNE_CANDIDATES
 (for the headline and d64 shapes only, to stay inside the device budget); every candidate's timing goes to
 the log and to bench_attention.json ("tuning"). The rows "sm90 pipelined" / "sm90 plain" run the headline
 shapes with the sm90 default config forced to each loop schedule (`pipelined` True / False).

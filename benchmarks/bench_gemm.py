@@ -6,7 +6,7 @@
 Measures in one run (CUDA events via triton.testing.do_bench, medians, random inputs, rotating buffers
 are not needed at these sizes: 8192^3 operands are 3 x 128 MB >> 50 MB L2):
 1. linear + bias + GELU(tanh), M=N=K=8192 fp16: torch.compile, eager, cuBLAS matmul alone; ours (sm90,
-   tuned over a small candidate set with kernels/tuning.py; the winner is printed), ours sm80 variant.
+   tuned over a small candidate set with tkopt/kernels/tuning.py; the winner is printed), ours sm80 variant.
 2. gated MLP (SwiGLU) fp16 M=8192, K=4096, N=8192 (two weights): eager, torch.compile, ours.
 3. decode M=1, N=K=8192 linear+bias+gelu_tanh: eager, ours.
 4. cold compile time per kernel (fresh TileLang cache) and warm (disk-cached) load time in a new process.

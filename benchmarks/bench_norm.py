@@ -4,7 +4,7 @@ Two phases so that one device call can compile in parallel with the GPU tests:
   python benchmarks/bench_norm.py --phase compile --jobs 6   # cold-compile every kernel the bench uses
                                                              # (incl. tuning candidates) into TileLang's
                                                              # disk cache, in parallel worker interpreters
-                                                             # (kernels/workers.py); logs times
+                                                             # (tkopt/kernels/workers.py); logs times
   python benchmarks/bench_norm.py --phase measure            # fresh process: warm-load times, pick_config
                                                              # tuning, anchors and ours, table at the end
 Timing: triton.testing.do_bench medians (ms) on random data; inputs are several times the 60 MB L2.

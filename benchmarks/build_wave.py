@@ -9,7 +9,7 @@ exports it (every input dim dynamic), its fused nodes planned at the example inp
 selection measures them at (TorchTarget.sizes), as the wave on an H200 (132 SMs) plans them: TileLang lowers for
 sm90 and nvcc compiles without a GPU. `--layers` overrides the model's layer count (layers share their
 kernels: the plan does not change). Caches are fresh temporary folders, tuning has no winners but the shipped ones
-(kernels/tuned/; TKOPT_SHIPPED_TUNING=0 leaves those out too): the cold compile's plan. Prints one JSON object:
+(tkopt/kernels/tuned/; TKOPT_SHIPPED_TUNING=0 leaves those out too): the cold compile's plan. Prints one JSON object:
 
 - the plan: jobs per kernel family, split into defaults (what the plan holds with TKOPT_AUTOTUNE=0) and tuning
   candidates, and the distinct signatures (nodes whose compiles are the same set);

@@ -40,8 +40,7 @@ from torch import nn
 
 VARIANTS = {"torch_compile": "inductor", "tkopt": "tkopt"}  # ours -> whole_models.make_variant's name
 # What --compile-bytecode compiles ahead: the packages either tool imports while it compiles.
-BYTECODE_PACKAGES = ("torch", "triton", "sympy", "tilelang", "tvm", "tvm_ffi", "tkopt", "tkopt.kernels", "tkopt.passes",
-                     "tkopt.models")
+BYTECODE_PACKAGES = ("torch", "triton", "sympy", "tilelang", "tvm", "tvm_ffi", "tkopt")
 RUNS = ("cold", "warm")
 LAPS = ("export", "passes", "kernels", "selection", "emit", "whole graph")
 # A CPU smoke run's model: the encoder layer's shape at a size the CPU compiles in seconds.

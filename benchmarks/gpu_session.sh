@@ -1,36 +1,30 @@
 #!/usr/bin/env bash
 # Every GPU test, or every GPU benchmark, in one go on a GPU machine that has torch, triton, onnx and
 # TileLang (on our device: `source .device/setup.sh` first) but no registry, so tkopt cannot be
-# pip-installed there: a symlink shim gives the package-dir layout (tkopt.kernels = kernels/, ...).
+# pip-installed there: it runs from the checkout, on PYTHONPATH.
 #   bash benchmarks/gpu_session.sh tests  OUTDIR   # pytest -m gpu over $TEST_PATHS (default: tests), 12 workers
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
 #                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only;
 #                                                   # gemm_epilogues: the projection shapes' epilogues only;
 #                                                   # attention_short: the whole models' attention nodes, SHORT_ARGS)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
-# WHOLE_TIMEOUT; tuning: benchmarks/tuning_db.py, the shipped tuning winners into kernels/tuned/, with TUNING_ARGS,
+# WHOLE_TIMEOUT; tuning: benchmarks/tuning_db.py, the shipped tuning winners into tkopt/kernels/tuned/, with TUNING_ARGS,
 # TUNING_TIMEOUT; compile: benchmarks/compile_time.py, cold and warm compile time against torch.compile, with
 # COMPILE_ARGS, COMPILE_TIMEOUT; overhead: benchmarks/call_overhead.py, each variant's host cost per call, with
 # OVERHEAD_ARGS, OVERHEAD_TIMEOUT), MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
 # onnxruntime-gpu wheel (CUDA 13) installed into a temporary folder ahead of the image's CPU onnxruntime, so the
 # CUDA-target op libraries run in ORT (tests/ort/test_cuda_session.py; skipped without it).
-# Logs go to OUTDIR (few files: the device returns at most 8). pytest runs with --import-mode=append: the
-# tests are a package, and prepending the repo root would make its bare tkopt/ hide the shim (and -P keeps
-# the working directory off sys.path for the same reason).
+# Logs go to OUTDIR (few files: the device returns at most 8).
 set -uo pipefail
 phase=${1:?tests or bench}
 out=$(mkdir -p "${2:?output dir}" && cd "$2" && pwd)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-shim=$(mktemp -d)
-mkdir -p "$shim/tkopt"
-cp -rs "$root/tkopt/." "$shim/tkopt/"
-for d in kernels passes models; do ln -s "$root/$d" "$shim/tkopt/$d"; done
 if [ -n "${ORT_GPU_WHEEL:-}" ]; then
   ortdir=$(mktemp -d)
   python -m pip install -q --no-index --no-deps --no-compile --target "$ortdir" "$ORT_GPU_WHEEL" || exit 1
   export PYTHONPATH="$ortdir${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TKOPT_CACHE_DIR=${TKOPT_CACHE_DIR:-$(mktemp -d)}
 cd "$root"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python -c 'import torch; print("torch", torch.__version__)'
@@ -41,7 +35,7 @@ case "$phase" in
     # Heuristic tile configs in tests: tuning is the benchmarks' business. SIGINT at the time limit makes
     # pytest print its summary of what ran (a plain kill would lose it). Inductor compiles in-process: its
     # compile-worker pool's shutdown at exit hung pytest's workers until the limit, losing the summary.
-    TORCHINDUCTOR_COMPILE_THREADS=1 TKOPT_AUTOTUNE=0 TKOPT_BUILD_WORKERS=1 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -P -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider --import-mode=append \
+    TORCHINDUCTOR_COMPILE_THREADS=1 TKOPT_AUTOTUNE=0 TKOPT_BUILD_WORKERS=1 timeout -s INT -k 20 "${TESTS_TIMEOUT:-420}" python -m pytest -q -m gpu -n "${WORKERS:-12}" -p no:cacheprovider \
       -rfE ${TEST_PATHS:-tests} > "$out/gpu_tests.log" 2>&1
     echo "pytest rc=$? in $(( $(date +%s) - t0 ))s"; tail -n 40 "$out/gpu_tests.log"
     ;;

@@ -1,7 +1,7 @@
-"""The shipped tuning winners (kernels/tuned/): tune every kernel the benchmark models' fused nodes run, at the
+"""The shipped tuning winners (tkopt/kernels/tuned/): tune every kernel the benchmark models' fused nodes run, at the
 shapes selection runs them at, on this GPU, and merge the winners into a folder.
 
-    python benchmarks/tuning_db.py [--models gpt2_8x1024 ...] [--ops FusedAttention ...] [--db kernels/tuned]
+    python benchmarks/tuning_db.py [--models gpt2_8x1024 ...] [--ops FusedAttention ...] [--db tkopt/kernels/tuned]
 
 For each model (benchmarks/whole_models.py's table, fp16) and each size it is compiled or served at: export it as
 tkopt.compile does (every input dim dynamic), run the passes, build every fused node's kernels in one parallel
@@ -89,7 +89,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=sorted(wm.MODELS), default=list(wm.MODELS))
     p.add_argument("--ops", nargs="+", default=(), help="only nodes of these fused ops (FusedAttention, ...)")
-    p.add_argument("--db", type=Path, default=ROOT / "kernels" / "tuned", help="the winners folder to merge into")
+    p.add_argument("--db", type=Path, default=ROOT / "tkopt" / "kernels" / "tuned",
+                   help="the winners folder to merge into")
     args = p.parse_args()
     os.environ["TKOPT_SHIPPED_TUNING"] = "0"
     os.environ["TKOPT_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="tkopt-tuning-db-")

@@ -32,7 +32,8 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def caches(tmp_path, monkeypatch):
     """Empty tuning and kernel caches, tuning on (as a cold compile on the GPU has them), and no shipped winners:
-    what a shape that kernels/tuned/ does not hold plans (tests/kernels/test_shipped_tuning.py: one that it does)."""
+    what a shape that tkopt/kernels/tuned/ does not hold plans (tests/kernels/test_shipped_tuning.py: one that it
+    does)."""
     monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path / "tkopt"))
     monkeypatch.setenv("TKOPT_SHIPPED_TUNING", "0")
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))  # workers inherit it

@@ -43,7 +43,7 @@ def versions() -> dict[str, str]:
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree (the GPU session's shim)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree (the GPU session)
         return "unknown"
 
 

@@ -1,4 +1,4 @@
-"""Float constants reach every kernel at the program's precision (kernels/constants.py).
+"""Float constants reach every kernel at the program's precision (tkopt/kernels/constants.py).
 
 TileLang's C printer writes float constants with 7 significant digits, float64 ones too: before
 `const`, float64 GELU was 5e-9 off (1/sqrt(2) printed as 7.071068e-01). Checked on the C backend's

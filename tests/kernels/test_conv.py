@@ -51,7 +51,7 @@ def test_cpu_matches_reference(n, c, h, w, f, k, s, p, d, act, has_bias):
     wt = torch.randn(f, c, kh, kw, dtype=torch.float64)
     b = torch.randn(f, dtype=torch.float64) if has_bias else None
     y = conv2d(x, wt, b, act, s, p, d)
-    # fp64 to 1e-12 with every activation: its constants enter at float64 precision (kernels/constants.py)
+    # fp64 to 1e-12 with every activation: its constants enter at float64 precision (tkopt/kernels/constants.py)
     _close(y, conv2d_ref(x, wt, b, act, s, p, d), 1e-12)
 
 

@@ -63,7 +63,7 @@ def test_gemm_cpu_matches_reference(a_shape, N, bt, has_bias, act, has_res):
     bias = _rand(N) if has_bias else None
     res = _rand(*a_shape[:-1], N) if has_res else None
     y = gemm(a, b, bias, act, res, b_transposed=bt)
-    # fp64 to 1e-12 with every activation: its constants enter at float64 precision (kernels/constants.py)
+    # fp64 to 1e-12 with every activation: its constants enter at float64 precision (tkopt/kernels/constants.py)
     _close(y, gemm_ref(a, b, bias, act, res, b_transposed=bt), 1e-12)
 
 

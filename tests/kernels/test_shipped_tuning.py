@@ -1,4 +1,4 @@
-"""The tuning winners shipped in kernels/tuned/ (benchmarks/tuning_db.py): each is still a candidate of its
+"""The tuning winners shipped in tkopt/kernels/tuned/ (benchmarks/tuning_db.py): each is still a candidate of its
 kernel's tuning space (a search space that changed makes a winner stale: it is then ignored and the kernel
 tunes, so the folder must be measured again), and they spare a cold compile the candidates' builds."""
 

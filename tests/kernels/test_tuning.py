@@ -1,4 +1,4 @@
-"""kernels/tuning.py: the autotune cache, on CPU with a fake bench function (real timings, no GPU)."""
+"""tkopt/kernels/tuning.py: the autotune cache, on CPU with a fake bench function (real timings, no GPU)."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""kernels/workers.py and the parallel precompile: work runs in workers forked from a fresh interpreter that
+"""tkopt/kernels/workers.py and the parallel precompile: work runs in workers forked from a fresh interpreter that
 never re-run the user's script (issue 8: a spawn pool re-imported __main__, repeating a script without a main
 guard)."""
 

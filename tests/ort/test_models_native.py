@@ -24,7 +24,7 @@ def _check(path, expected: dict[str, int], tmp_path) -> None:
     _, report = tkopt.optimize_onnx(path, out, report=False, check_accuracy=True, target="cpu", select="all")
     assert {k: report.passes.fusions.get(k, 0) for k in expected} == expected
     # No node is left without a kernel: a residual that may broadcast (BERT's position embeddings of batch 1)
-    # is refused by the add_norm pass itself, which proves shapes through the export (passes/shapes.py).
+    # is refused by the add_norm pass itself, which proves shapes through the export (tkopt/passes/shapes.py).
     assert report.decided("kernel_failed") == [] and report.total_fused == sum(expected.values())
     assert report.accuracy.fused_runner == "ort"  # the native library, not a Python fallback
     assert all(o.max_rel < 1e-5 for o in report.accuracy.outputs), report.accuracy.outputs

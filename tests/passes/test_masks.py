@@ -1,4 +1,4 @@
-"""The mask prover (passes/masks.py): its index functions against brute force, and what it proves causal,
+"""The mask prover (tkopt/passes/masks.py): its index functions against brute force, and what it proves causal,
 for every size, from IR graphs with symbolic dims (and what it must not)."""
 
 from __future__ import annotations

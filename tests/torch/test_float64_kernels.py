@@ -1,7 +1,7 @@
 """float64 through tkopt.compile on the real CPU kernels: fused equals eager to float64 precision.
 
 The GEMM epilogue's activation constants once entered the C kernel with 7 digits (1/sqrt(2) as
-7.071068e-01), and float64 Linear+GELU was 5e-9 off (the fuzzer's seed 180); kernels/constants.py.
+7.071068e-01), and float64 Linear+GELU was 5e-9 off (the fuzzer's seed 180); tkopt/kernels/constants.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ per-op code elsewhere: the torch custom op `tkopt::<torch_name>` with its fake a
 bindings (ort/library.py) and the hybrid ONNX runner (onnx_runtime_ref.py).
 
 Adding a fused op: write `<op>.py` here on the model of `add_norm.py` (plus its kernel in tkopt.kernels
-and its reference in kernels/reference.py), add its module to `_MODULES` below, and have a pass create
+and its reference in tkopt/kernels/reference.py), add its module to `_MODULES` below, and have a pass create
 it with `tkopt.passes.base.fuse`.
 """
 

@@ -74,7 +74,7 @@ def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadca
 def _check_same_shape(node: Node, x: Value, r: Value) -> None:
     """The kernel adds the residual row by row: refuse a residual that broadcasts against X.
 
-    The add_norm pass fuses a residual only when its shape is provably X's (passes/shapes.py), so this
+    The add_norm pass fuses a residual only when its shape is provably X's (tkopt/passes/shapes.py), so this
     rechecks what the node's declared shapes show: a static dim against another static or a dynamic one.
     """
     if x.shape is None or r.shape is None or len(x.shape) != len(r.shape):

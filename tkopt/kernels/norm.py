@@ -1,6 +1,6 @@
 """Residual add + LayerNorm / RMSNorm (and the plain norms) over the last dim, as TileLang kernels.
 
-Public API (semantics: kernels/reference.py):
+Public API (semantics: tkopt/kernels/reference.py):
     add_layer_norm(x, residual, weight, bias, eps=1e-5, *, return_sum=True, out=None, sum_out=None)
     add_rms_norm(x, residual, weight, eps=1e-6, *, return_sum=True, out=None, sum_out=None)
         -> (normed, x + residual), or only normed when return_sum=False (the sum is then never written).

@@ -1,6 +1,6 @@
 """Numpy evaluators of the ONNX ops that shape arithmetic uses, for constant folding and shape proofs.
 
-Canonicalization folds with them and passes/shapes.py evaluates local subgraphs with them; they sit
+Canonicalization folds with them and tkopt/passes/shapes.py evaluates local subgraphs with them; they sit
 below both so neither has to import the other.
 """
 

@@ -4,7 +4,7 @@
 knobs) to use for one (kernel, arch, key):
 
 1. the winner cached in memory or in `cache_dir()/tune-<kernel>-<arch>.json`, else the one shipped with the
-   package (`kernels/tuned/`, the same format: winners measured on our GPUs at the benchmark models' shapes,
+   package (`tkopt/kernels/tuned/`, the same format: winners measured on our GPUs at the benchmark models' shapes,
    written by benchmarks/tuning_db.py), so a user gets tuned kernels without tuning and a cold compile
    builds one config per kernel instead of every candidate. Either only if that winner is still one of
    `candidates` or `default`, so a changed search space re-tunes instead of using a stale entry;

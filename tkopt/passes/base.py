@@ -5,7 +5,7 @@ each match and return a refusal reason string for a near miss, else `rewrite` it
 Reasons are kept so that the report can say why a near match was not fused.
 
 Every condition a rewrite relies on must hold for every shape and value the graph admits: prove it
-from the graph's structure (passes/shapes.py for dims, passes/masks.py for masks), never by trying
+from the graph's structure (tkopt/passes/shapes.py for dims, tkopt/passes/masks.py for masks), never by trying
 sizes; where it cannot be proved, keep the general form or refuse with the reason. The discipline,
 and FusedAttention's exact semantics: docs/LEGALITY.md.
 """

@@ -1,4 +1,4 @@
-"""Softmax as a TileLang kernel (semantics: kernels/reference.py softmax_ref).
+"""Softmax as a TileLang kernel (semantics: tkopt/kernels/reference.py softmax_ref).
 
 Public API:
     softmax(x, dim=-1, *, out=None, arch=None)
@@ -8,7 +8,7 @@ kernel and moving it back: the result is then a permuted view of a contiguous bu
 Program builders (dynamic row count m = T.dynamic("m"), signature (X, Y), both (m, n) in dtype):
     softmax_program_gpu(n, dtype, *, block_rows, threads_per_row)   # row resident in registers
     softmax_program_cpu(n, dtype)
-GPU: same template and register layout (norm.row_fragment) as the norms (kernels/norm.py): 128-bit loads, fp32
+GPU: same template and register layout (norm.row_fragment) as the norms (tkopt/kernels/norm.py): 128-bit loads, fp32
 max / exp / sum from registers, one read and one write per element; n up to norm.MAX_N_GPU.
 """
 

@@ -1,6 +1,6 @@
 """conv2d (groups=1) as an implicit GEMM in TileLang, with bias + activation epilogue.
 
-Public API (semantics: kernels/reference.py conv2d_ref):
+Public API (semantics: tkopt/kernels/reference.py conv2d_ref):
     conv2d(x, w, bias=None, act=None, stride=1, padding=0, dilation=1, *, arch=None)
 x is NCHW as torch gives it and the result is NCHW-shaped. Inside, the kernel works in NHWC: x is
 converted with permute(0, 2, 3, 1).contiguous() (free when x is already channels_last), and the output is

@@ -8,11 +8,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-if __name__ != "tkopt.kernels":  # imported by its folder's name, from a checkout's root on sys.path
-    raise ImportError(f"{__file__} (tkopt.kernels) was imported as `{__name__}`: Python started in a tkopt checkout's "
-                      f"root, whose kernels/ folder hides any installed `{__name__}` package (transformers >= 5 "
-                      "imports the hub's `kernels`). Run Python from another folder.")
-
 _EXPORTS = {
     "TileConfig": "config",
     "gemm": "gemm_epilogue",

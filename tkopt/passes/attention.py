@@ -13,10 +13,10 @@ transposed-back output become layout "bshd".
 The fused node reproduces the chain's arithmetic (docs/LEGALITY.md): the chain is folded in order, so
 a scale after a mask scales it (mask_scale), a Where's fill is kept (mask_fill, finite or not) with
 which of its condition's values keeps (mask_keeps: False for masked_fill's mask), and the guard says
-what a fully masked row gives. A mask proven causal from its structure (passes/masks.py),
+what a fully masked row gives. A mask proven causal from its structure (tkopt/passes/masks.py),
 for every admitted length, becomes causal=1; any other mask becomes the mask input, its producers
 staying outside. Q, K, V, the mask and the output must provably share batch, heads and lengths the
-way the kernels read them (passes/shapes.py).
+way the kernels read them (tkopt/passes/shapes.py).
 
 Dynamic-shape exports are matched with symbolic shapes. ONNX graphs only: Shape reads of absorbed
 per-head tensors are rewritten onto the fused node's inputs/output, and a K that exists only as
@@ -564,7 +564,7 @@ def _finite_fill_ok(fill: float, dtype: str | None) -> bool:
 def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: str | None) -> _Masks:
     """Which terms are provably causal (dropped: causal=1) and which one stays the mask input.
 
-    Causal is proven from structure (passes/masks.py) for every admitted size. A -inf causal fill is
+    Causal is proven from structure (tkopt/passes/masks.py) for every admitted size. A -inf causal fill is
     exact beside one other mask; a finite (finfo.min) one only alone, since a row whose every earlier
     key the other mask drops would then weigh the later keys in eager, and no key when fused."""
     causal, explicit = [], []

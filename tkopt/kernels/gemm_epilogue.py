@@ -2,7 +2,7 @@
 
 Public:
 - `gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=None)`: heuristic or tuned
-  config (kernels/tuning.py, key bucketed on M); on CUDA, cuBLASLt's bias + relu / gelu_tanh epilogue where
+  config (tkopt/kernels/tuning.py, key bucketed on M); on CUDA, cuBLASLt's bias + relu / gelu_tanh epilogue where
   it times faster (`library_serves`).
 - `gemm_custom(a, b, config, bias=None, act=None, residual=None, b_transposed=False, out=None)`: your tiles.
 - `gemm_program(...)`: the program builder (a `@T.prim_func`), for lowering to C / CUDA source.
@@ -12,7 +12,7 @@ Public:
 Compile-time keys of `gemm_program`: arch ("sm90" | "sm80" | "cpu"), N, K, dtype, TileConfig, b_transposed,
 has_bias, act, has_residual, gated (two B operands and accumulators, gate multiplied in the epilogue: the
 gated-MLP kernel), `m` (None: M is a dynamic dim `T.dynamic("m")`, so one compiled kernel serves every
-row count; an int specializes it) and `precision` (torch's fp32 matmul switch, kernels/precision.py).
+row count; an int specializes it) and `precision` (torch's fp32 matmul switch, tkopt/kernels/precision.py).
 Argument order of the program: A (M,K), B (K,N) or (N,K) when b_transposed, [B2 (same as B) if gated],
 [bias (N,)], [bias2 (N,) if gated and has_bias], [residual (M,N)], C (M,N) -- all row-major contiguous,
 dtype `dtype` (C and bias/residual too).
@@ -502,7 +502,7 @@ def precompile(keys, workers: int | None = None) -> dict:
     """Compile kernels (tuples of compiled_kernel's positional arguments) in parallel; returns
     {key: (seconds or None, error or None)} for the keys not already compiled in this process.
 
-    Workers are processes forked from a fresh interpreter (kernels/workers.py: never the user's __main__) that
+    Workers are processes forked from a fresh interpreter (tkopt/kernels/workers.py: never the user's __main__) that
     fill TileLang's disk cache, from which later compiled_kernel calls here load. With one worker, compiles
     here, in memory."""
     todo = [k for k in dict.fromkeys(kernel_key(*k) for k in keys) if k not in _CACHE]
@@ -731,7 +731,7 @@ def tuning_space(arch, M, N, dtype, gated=False, precision="ieee", sms=None) -> 
 
 def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False,
                   precision="ieee") -> TileConfig:
-    """Default config, or the tuned one (kernels/tuning.py) for GPU GEMMs with M > 64."""
+    """Default config, or the tuned one (tkopt/kernels/tuning.py) for GPU GEMMs with M > 64."""
     from .tuning import cached_entry, pick_config, tuning_enabled, tuning_suspended
 
     acc = 2 if gated else 1

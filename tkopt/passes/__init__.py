@@ -1,0 +1,1 @@
+"""Canonicalization, recognition and fusion rules over tkopt's IR."""
