@@ -141,13 +141,12 @@ class Zygote:
         return int(answer), os.fdopen(jobs_w, "wb"), os.fdopen(results_r, "rb")
 
     def close(self) -> None:
-        """End it (its workers end with their job pipes)."""
+        """End it now. Its workers are processes of their own that end with their job pipes, and it holds nothing
+        but its imports, so it is killed, not asked to end: a warm compile, which starts no worker, closed it while
+        it was still importing, and waited up to 0.7 s for that (BERT-base on the H200, 2026-12-06)."""
         self._control.close()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        self._proc.kill()
+        self._proc.wait()
 
 
 _current: Zygote | None = None
