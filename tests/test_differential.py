@@ -94,7 +94,7 @@ def test_an_op_ort_cannot_run_skips_the_check_with_one_line(tmp_path: Path) -> N
 def test_compile_check_accuracy_runs_sizes_the_export_admits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TKOPT_KERNELS", "reference")  # the graph is under test here, not the kernels
     model, inputs = REFERENCE_MODELS["bert_layer"]()
-    compiled = tkopt.compile(model, inputs, check_accuracy=True)
+    compiled = tkopt.compile(model, inputs, dynamic=True, check_accuracy=True)
     acc = compiled.tkopt_accuracy
     assert acc is not None and acc.ok and acc.unfused_runner == "eager"
     shapes = [tuple(r["args[0]"][:2]) for r in acc.runs]

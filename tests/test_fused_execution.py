@@ -59,7 +59,7 @@ def test_inductor_compiles_the_first_signature_without_dynamo(monkeypatch) -> No
 
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     model, inputs = REFERENCE_MODELS["gpt2_block_sdpa"]()
-    fast = tkopt.compile(model, inputs, inductor=True, select="all")
+    fast = tkopt.compile(model, inputs, inductor=True, select="all", dynamic=True)
     run = fast.specializations[-1].run
     bigger = tuple(torch.randn(x.shape[0] + 1, *x.shape[1:]) if x.is_floating_point() else x for x in inputs)
     with torch.no_grad():

@@ -120,7 +120,7 @@ def test_the_decision_key_names_every_size_measured() -> None:
 
 
 def test_tkopt_compile_measures_at_both_sizes_and_reuses_the_decisions(tmp_path, monkeypatch) -> None:
-    """tkopt.compile (a dynamic export by default), every node made to win (no margin): each decision records
+    """tkopt.compile with a dynamic export, every node made to win (no margin): each decision records
     both sizes, and a second compile of the same model measures nothing."""
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
@@ -128,7 +128,7 @@ def test_tkopt_compile_measures_at_both_sizes_and_reuses_the_decisions(tmp_path,
     torch.manual_seed(0)
     model = LinearAddNorm(32).eval()
     inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
-    fast = tkopt.compile(model, inputs)
+    fast = tkopt.compile(model, inputs, dynamic=True)
     nodes = fast.tkopt_report.nodes
     assert {d.op for d in nodes} == {"FusedGemm", "FusedAddNorm"}
     assert all(d.decision in ("kept", "declined") and not d.cached for d in nodes), nodes
@@ -142,7 +142,7 @@ def test_tkopt_compile_measures_at_both_sizes_and_reuses_the_decisions(tmp_path,
         raise AssertionError("measured although every decision was cached")
 
     monkeypatch.setattr(TorchTarget, "measure", refuse)
-    again = tkopt.compile(model, inputs)
+    again = tkopt.compile(model, inputs, dynamic=True)
     assert all(d.cached for d in again.tkopt_report.nodes)
 
 
@@ -220,7 +220,7 @@ def test_cuda_measures_each_node_against_eager_and_inductor_at_both_sizes(tmp_pa
     torch.manual_seed(0)
     model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=256, heads=4, max_seq=128)).eval().cuda().half()
     inputs = tuple(t.cuda().half() if t.is_floating_point() else t.cuda() for t in model.example_inputs(2, 77))
-    fast = tkopt.compile(model, inputs)
+    fast = tkopt.compile(model, inputs, dynamic=True)
     print(fast.tkopt_report)
     entries = [e for e in json.loads((tmp_path / "select-torch-cuda.json").read_text()).values() if "sizes" in e]
     assert entries
@@ -241,7 +241,7 @@ def test_the_accuracy_check_skips_a_size_the_guards_refuse(monkeypatch) -> None:
     monkeypatch.setenv("TKOPT_KERNELS", "reference")
     torch.manual_seed(0)
     model = _Causal(32).eval()
-    fast = tkopt.compile(model, (torch.randn(2, 8, 32),), select="all", check_accuracy=True)
+    fast = tkopt.compile(model, (torch.randn(2, 8, 32),), select="all", dynamic=True, check_accuracy=True)
     accuracy = fast.tkopt_accuracy
     assert accuracy.ok and {(2, 8), (2, 2), (3, 3)} <= {tuple(r["args[0]"][:2]) for r in accuracy.runs}
     refused = "args[0] [7, 16, 32]: the program's guards refuse it (Guard failed"
@@ -272,7 +272,7 @@ def test_the_accuracy_check_on_cuda_skips_a_size_whose_gathers_run_past_their_ta
     embedding's device-side assert would leave this process no usable GPU."""
     torch.manual_seed(0)
     x = torch.randn(2, 8, 32, device="cuda")
-    compiled = tkopt.compile(_Positions(32).cuda().eval(), x, check_accuracy=True)
+    compiled = tkopt.compile(_Positions(32).cuda().eval(), x, dynamic=True, check_accuracy=True)
     accuracy = compiled.tkopt_accuracy
     assert accuracy is not None and accuracy.ok and accuracy.runs
     assert any("does not run there (aten.embedding.default: indices" in s for s in accuracy.skipped)

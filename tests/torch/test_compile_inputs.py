@@ -29,7 +29,7 @@ def test_a_size_the_exports_guards_refuse_gets_its_own_specialization(monkeypatc
     monkeypatch.setenv("TKOPT_KERNELS", "reference")
     torch.manual_seed(0)
     model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=64, heads=4, max_seq=128)).eval()
-    compiled = tkopt.compile(model, model.example_inputs(batch=2, seq=77), select="all")
+    compiled = tkopt.compile(model, model.example_inputs(batch=2, seq=77), select="all", dynamic=True)
     with torch.no_grad():
         for seq, programs in ((100, 1), (128, 2), (90, 2)):
             inputs = model.example_inputs(batch=2, seq=seq)
@@ -50,7 +50,7 @@ def test_a_program_decides_once_per_input_shape_whether_it_serves_a_call(monkeyp
                         lambda self, flat: decided.append(flat[0].shape) or real(self, flat))
     torch.manual_seed(0)
     model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=64, heads=4, max_seq=128)).eval()
-    compiled = tkopt.compile(model, model.example_inputs(batch=2, seq=77), select="all")
+    compiled = tkopt.compile(model, model.example_inputs(batch=2, seq=77), select="all", dynamic=True)
     with torch.no_grad():
         for seq in (77, 77, 100, 100, 77):
             inputs = model.example_inputs(batch=2, seq=seq)

@@ -245,7 +245,7 @@ def block() -> nn.Module:
 
 def test_compile_dynamic_shapes(block):
     with torch.no_grad():
-        c = tkopt_compile(block, (torch.randn(2, 5, D),))
+        c = tkopt_compile(block, (torch.randn(2, 5, D),), dynamic=True)
         assert c.tkopt_report.total_fused > 0
         assert any(str(n.target).startswith("tkopt.") for n in c.graph_module.graph.nodes)
         for b, s in ((2, 5), (3, 8), (5, 2)):
@@ -294,15 +294,19 @@ def test_torch_compile_backend_training():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_FUSIONS))
 def test_compile_reference_models(name):
-    """End to end on the reference blocks: the expected fusions, eager numerics, a new batch/seq."""
+    """End to end on the reference blocks: the expected fusions, eager numerics, new batch/seq sizes. As
+    torch.compile by default: the first export is static, the first new size exports with dynamic dims, and
+    that program serves the next one."""
     model, example = REFERENCE_MODELS[name]()
     with torch.no_grad():
         c = tkopt_compile(model, example)
         assert c.tkopt_report.fusions == EXPECTED_FUSIONS[name], c.tkopt_report.passes.refusals
+        assert [s.ranges for s in c.specializations] == [{}]  # static
         bigger = tuple(torch.cat([t, t[:1]]).repeat_interleave(2, dim=1) for t in example)  # batch+1, seq*2
-        for args in (example, bigger):
+        biggest = tuple(torch.cat([t, t]).repeat_interleave(3, dim=1) for t in example)  # batch*2, seq*3
+        for args in (example, bigger, biggest):
             assert rel_err(c(*args), model(*args)) < 1e-5
-        assert len(c.specializations) == 1
+        assert len(c.specializations) == 2 and c.specializations[1].ranges
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float16, 1e-2)])

@@ -11,9 +11,10 @@ their real inputs: the original graph runs once on the example inputs (torch.fx.
 them. The whole graph is timed through the same call path the user's calls take, alternating with the
 alternatives (measure.race).
 
-Sizes: tkopt.compile exports with dynamic shapes, so one specialization serves every size its symbolic
-dims admit, and a fusion that wins at a small example can lose at the sizes the user then runs (a kernel
-tuned for few rows against cuBLAS or inductor at many). Where the graph's inputs have symbolic dims,
+Sizes: a dynamic export (tkopt.compile's second specialization, or its first with dynamic=True, and the
+backend's graphs with dynamic dims) serves every size its symbolic dims admit, and a fusion that wins at a
+small example can lose at the sizes the user then runs (a kernel tuned for few rows against cuBLAS or
+inductor at many). Where the graph's inputs have symbolic dims,
 a node that wins at the example inputs is measured again at one larger size (`larger_sizes`): every
 symbolic dim scaled by one factor, so that the inputs hold about GROWTH times the example's elements (16x:
 batch and sequence 4x each, a lone batch dim 16x), each within the range torch.export admits for it. It
