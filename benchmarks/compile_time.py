@@ -69,6 +69,8 @@ def child(model_name: str, variant: str, calls: int, profile: str | None = None)
             got = fn(*inputs)
             wm._sync()
         out["first_call_s"] = time.perf_counter() - t0
+        out["modules"] = len(sys.modules)  # imported by the build and first call (and before them)
+        out["imported_tilelang"] = "tilelang" in sys.modules
         if profiler is not None:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)

@@ -375,7 +375,7 @@ def test_tuned_winners_are_kept_per_precision(tmp_path, monkeypatch):
     simt = FP32_TUNE_CANDIDATES[("sm90", "ieee")][0]
     assert simt.get("use_tensorcore") is False
     key = (tuning.shape_bucket(512), 768, 1024, "torch.float32", "gelu", True, False, True, "ieee")
-    tuning._store("gemm", "sm90", tuning._key_str(key), {"config": tuning._norm(simt), "ms": 1.0})
+    tuning.store_json(tuning._file("gemm", "sm90"), tuning._key_str(key), {"config": tuning._norm(simt), "ms": 1.0})
     try:
         assert select_config(*args, precision="ieee") == TileConfig(**simt)
         assert select_config(*args, precision="tf32") == default_config("sm90", "float32", 1, 512, 768,

@@ -176,7 +176,7 @@ def test_a_shipped_winner_is_used_without_tuning_and_is_all_a_build_plans(shippe
 def test_this_machines_winner_overrides_the_shipped_one(shipped):
     shipped("k", "sm90", (1, 2), CANDS[2])
     calls = []
-    tuning._store("k", "sm90", tuning._key_str((1, 2)), {"config": tuning._norm(CANDS[1]), "ms": 1.0})
+    tuning.store_json(tuning._file("k", "sm90"), tuning._key_str((1, 2)), {"config": tuning._norm(CANDS[1]), "ms": 1.0})
     assert pick_config("k", "sm90", (1, 2), CANDS, DEFAULT, _bench_factory({}, calls)) == CANDS[1] and calls == []
 
 

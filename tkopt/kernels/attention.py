@@ -45,11 +45,11 @@ import itertools
 import math
 from collections.abc import Sequence
 
-import tilelang.language as T
 import torch
 
 from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .constants import const
+from .libraries import gpu_compile
 from .tuning import pick_config, tuning_suspended
 from .workers import Compile
 
@@ -204,6 +204,8 @@ def _visible(q_idx, k_idx, seq_kv, causal: bool):
 
 def _keeps(m, mask_keeps: bool):
     """Whether a bool mask's value m (uint8) keeps its score: m != 0, or m == 0 for masked_fill's mask."""
+    import tilelang.language as T
+
     m = T.cast(m, "int32")  # a uint8 condition breaks TVM's bound solver on the C backend (-1 as uint)
     return (m != 0) if mask_keeps else (m == 0)
 
@@ -214,6 +216,8 @@ def _masked_score(s, m, mask_kind: str, mask_scale, fill):
     elsewhere; a float mask's value m is added, then the sum is scaled by mask_scale unless it is None. The
     one definition of masking, for both programs; each applies visibility after it (a finite fill must never
     give weight to a padding key or to one causality hides: the reference applies causality after the mask)."""
+    import tilelang.language as T
+
     if mask_kind == "bool":
         return T.if_then_else(m, s, fill)
     return s + m if mask_scale is None else (s + m) * mask_scale
@@ -221,6 +225,8 @@ def _masked_score(s, m, mask_kind: str, mask_scale, fill):
 
 def _normalized(acc, total, guard: str, dtype: str):
     """acc / total, or what the guard gives a row with total 0 (every score -inf) or NaN."""
+    import tilelang.language as T
+
     zero, nan = T.cast(0, dtype), T.cast(float("nan"), dtype)
     if guard == "nan":
         return T.if_then_else((total == 0) | T.isnan(total), zero, acc / total)
@@ -265,6 +271,8 @@ def gpu_program(
     sets it where `reads_strided(arch)`). `kept_rows` (compile_gpu sets it): a key-only mask comes with
     Kept, its summary per batch row (`kept_rows`), after Mask.
     """
+    import tilelang.language as T
+
     if heads_q % heads_kv:
         raise UnsupportedError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
@@ -694,6 +702,7 @@ def cpu_program(
     Same parameters and dynamic dims as `gpu_program` (float32 or float64; accumulation in float32, or
     float64 for float64). Serial and scalar: for portability and CI numerics, not speed.
     """
+    import tilelang.language as T
     from tilelang.cpu.language import Kernel as CpuKernel
 
     if heads_q % heads_kv:
@@ -813,12 +822,11 @@ def reads_strided(arch: str) -> bool:
 def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None = None):
     """Compile (and cache) the GPU kernel for `key` = gpu_program's keys and a config as sorted items,
     to run on `device` (the cache key: the sm80 variant is built per GPU arch)."""
-    import tilelang
-
     if arch != "sm90" and dict(config_items).get("pipelined"):
         raise UnsupportedError(f"flash_attention: the pipelined schedule needs wgmma (sm90), not {arch}")
-    func = gpu_program(*key, **dict(config_items), strided_qkv=reads_strided(arch), kept_rows=True)
-    return tilelang.compile(func, target=run_target(arch, device), pass_configs=_pass_configs(arch, device))
+    return gpu_compile(("attention", arch, key, config_items),
+                       lambda: gpu_program(*key, **dict(config_items), strided_qkv=reads_strided(arch), kept_rows=True),
+                       run_target(arch, device), _pass_configs(arch, device))
 
 
 @functools.cache

@@ -14,15 +14,22 @@ CUDA cores, exact fp32 arithmetic), "cpu" (TileLang's C backend).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 from .arch import ARCHS, UnsupportedError
+from .libraries import tilelang_version
 from .precision import PRECISIONS
+from .tuning import cache_dir, read_json, store_json
+
+WARP_LAYOUTS = "warp-layouts.json"
 
 # Usable shared memory per block (opt-in maximum, dynamic plus static), bytes.
 SMEM_LIMIT = {"sm90": 227 * 1024, "sm80": 163 * 1024}
@@ -380,7 +387,13 @@ class TileConfig:
 
 @functools.lru_cache(maxsize=256)
 def _warp_layouts(arch: str, dt: str, bm: int, bn: int, threads: int) -> dict[int, tuple[int, int]]:
-    """{policy: (warps along M, warps along N)} as TileLang partitions warps for this tile and instruction."""
+    """{policy: (warps along M, warps along N)} as TileLang partitions warps for this tile and instruction; kept on
+    disk per TileLang version, so that checking a config (planning a warm compile's GEMMs) imports no TileLang."""
+    path = os.path.join(cache_dir(), WARP_LAYOUTS)
+    key = json.dumps([tilelang_version(), arch, dt, bm, bn, threads])
+    known = read_json(path).get(key)
+    if isinstance(known, dict):
+        return {int(p): (int(w[0]), int(w[1])) for p, w in known.items()}
     import tilelang  # noqa: F401  (puts its bundled tvm on the path)
     from tilelang import ir
 
@@ -388,8 +401,12 @@ def _warp_layouts(arch: str, dt: str, bm: int, bn: int, threads: int) -> dict[in
 
     inst = "cuda.wgmma" if arch == "sm90" and _DTYPE_BYTES[dt] == 2 else "cuda.mma"
     target = target_of(arch)
-    return {p: tuple(int(w) for w in ir.GemmWarpPolicy(p, 0, 0).compute_warp_partition(bm, bn, threads, target, inst))
-            for p in (0, 1, 2)}
+    layouts = {p: tuple(int(w) for w in ir.GemmWarpPolicy(p, 0, 0).compute_warp_partition(bm, bn, threads, target,
+                                                                                         inst))
+               for p in (0, 1, 2)}
+    with contextlib.suppress(OSError):  # a read-only cache: computed again next time
+        store_json(path, key, {str(p): list(w) for p, w in layouts.items()})
+    return layouts
 
 
 def default_config(arch: str, dtype, accumulators: int = 1, m: int | None = None, n: int | None = None,

@@ -35,13 +35,12 @@ import math
 import threading
 import time
 
-import tilelang
-import tilelang.language as T
 import torch
 
 from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
 from .constants import const
+from .libraries import gpu_compile
 from .precision import matmul_precision
 from .reference import ACTIVATIONS
 from .tuning import median_ms
@@ -55,6 +54,8 @@ _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 
 def _act_expr(x, act, acc):
     """The activation as a TIR expression on an accumulator-typed value."""
+    import tilelang.language as T
+
     if act is None:
         return x
     one = const(1.0, acc)
@@ -89,6 +90,8 @@ def gemm_program(
     precision: str = "ieee",
 ):
     """The GEMM (or gated two-GEMM) program for one set of compile-time keys (see the module docstring)."""
+    import tilelang.language as T
+
     dtype = dtype_name(dtype)
     config = config.validate(arch, dtype, accumulators=2 if gated else 1, precision=precision)
     if act not in ACTIVATIONS:
@@ -105,6 +108,8 @@ def gemm_program(
 
 def _epilogue(acc, acc2, bias_v, bias2_v, res_v, act, gated, acc_dt):
     """Epilogue value from accumulator(s) and optional bias / residual values (all TIR expressions)."""
+    import tilelang.language as T
+
     x = acc if bias_v is None else acc + T.cast(bias_v, acc_dt)
     x = _act_expr(x, act, acc_dt)
     if gated:
@@ -121,6 +126,8 @@ _EXP_BITS = 0x7F800000
 def _tf32_round(x):
     """fp32 x rounded to the nearest tf32 (ties away from zero), as an fp32 value. Where rounding up
     would overflow to inf (and for inf/NaN) it truncates instead, so a finite value stays finite."""
+    import tilelang.language as T
+
     bits = T.reinterpret(x, "uint32")
     up = T.bitwise_and(bits + T.uint32(0x1000), T.uint32(_TF32_MASK))
     down = T.bitwise_and(bits, T.uint32(_TF32_MASK))
@@ -140,11 +147,15 @@ def _tf32x3_sum(big, small):
     big alone carries eager's inf and NaN (an inf or NaN input, an overflowing product); the correction is
     added only where big is finite, so that a low part's product (NaN for an inf input, or an opposite-signed
     overflow) never turns eager's +-inf into NaN."""
+    import tilelang.language as T
+
     finite = T.bitwise_and(T.reinterpret(big, "uint32"), T.uint32(_EXP_BITS)) != T.uint32(_EXP_BITS)
     return T.if_then_else(finite, big + small, big)  # (not big - big == 0: TIR's simplifier folds that to true)
 
 
 def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, split, policy):
+    import tilelang.language as T
+
     bm, bn, bk = cfg.block_tile
     M = T.dynamic("m") if m is None else m
     acc_dt = "float32"
@@ -240,6 +251,8 @@ def _simt_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
     """FMA on CUDA cores from register fragments; each thread owns the accumulators TileConfig.simt_owner
     places. Shared rows are padded by 16 bytes, which puts consecutive rows in distinct banks: the warp's
     16-byte fragment loads along K are conflict-free."""
+    import tilelang.language as T
+
     bm, bn, bk = cfg.block_tile
     _, _, wk, tm, tn = cfg.simt_tiles(dtype)
     e = 2 if dtype in ("float16", "bfloat16") else 4
@@ -334,6 +347,7 @@ def _simt_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
 
 
 def _cpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
+    import tilelang.language as T
     from tilelang.cpu.language import Kernel as CpuKernel
 
     bm, bn, bk = cfg.block_tile
@@ -383,6 +397,8 @@ def _cpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
 
 def _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated):
     """A prim_func with exactly the buffers used (TVMScript signatures cannot be conditional)."""
+    import tilelang.language as T
+
     # Every parameter needs its own annotation object (a shared one would alias the buffers).
     a_t = T.Tensor((M, K), dtype)
     b_tt = T.Tensor(b_shape, dtype)
@@ -453,12 +469,17 @@ def kernel_key(arch, N, K, dtype, config, b_transposed=False, has_bias=False, ac
 
 def _compile(key, device=None):
     arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m, precision = key
-    func = gemm_program(arch, N, K, dtype, config, b_transposed=b_t, has_bias=has_bias, act=act,
-                        has_residual=has_res, gated=gated, m=m, precision=precision)
+
+    def program():
+        return gemm_program(arch, N, K, dtype, config, b_transposed=b_t, has_bias=has_bias, act=act,
+                            has_residual=has_res, gated=gated, m=m, precision=precision)
+
     if arch == "cpu":
-        return tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
+        import tilelang
+
+        return tilelang.compile(program(), target="c", target_host="c", execution_backend="cython")
     # sm80 on a newer GPU is built for that GPU with Hopper features off (arch.run_target says why).
-    return tilelang.compile(func, target=run_target(arch, device), pass_configs=run_pass_configs(arch, device))
+    return gpu_compile(("gemm", *key), program, run_target(arch, device), run_pass_configs(arch, device))
 
 
 def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,

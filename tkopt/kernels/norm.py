@@ -39,6 +39,7 @@ import torch
 
 from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .constants import const
+from .libraries import gpu_compile
 from .tuning import median_ms, tuning_suspended
 from .tuning import pick_config as _pick_config
 from .workers import Compile
@@ -77,19 +78,16 @@ def compile_cached(key: tuple, arch: str, build: Callable[[], object], device: s
     with _compile_lock:
         kern = _compiled.get(key)
         if kern is None:
-            import tilelang
-
             t0 = time.perf_counter()
-            func = build()
             if arch == "cpu":
+                import tilelang
                 from tilelang import tvm
 
                 with tvm.target.Target("c"):
-                    kern = tilelang.compile(func, target="c", target_host="c", execution_backend="cython")
+                    kern = tilelang.compile(build(), target="c", target_host="c", execution_backend="cython")
             else:
                 # sm80 on a newer GPU is built for that GPU with Hopper features off (arch.run_target).
-                kern = tilelang.compile(func, target=run_target(arch, device),
-                                        pass_configs=run_pass_configs(arch, device))
+                kern = gpu_compile(key, build, run_target(arch, device), run_pass_configs(arch, device))
             COMPILE_LOG.append((repr(key), time.perf_counter() - t0))
             _compiled[key] = kern
     return kern

@@ -101,12 +101,12 @@ def _file(kernel: str, arch: str) -> str:
 
 @functools.cache
 def _shipped_file(kernel: str, arch: str) -> dict:
-    return _read(os.path.join(SHIPPED_DIR, file_name(kernel, arch)))
+    return read_json(os.path.join(SHIPPED_DIR, file_name(kernel, arch)))
 
 
 def _entry(kernel: str, arch: str, kstr: str) -> dict | None:
     """The stored record for a key: this machine's cache first, else the shipped winners (module docstring)."""
-    entry = _read(_file(kernel, arch)).get(kstr)
+    entry = read_json(_file(kernel, arch)).get(kstr)
     if entry is None and os.environ.get("TKOPT_SHIPPED_TUNING", "1").strip().lower() not in _FALSE:
         entry = _shipped_file(kernel, arch).get(kstr)
     return entry
@@ -121,7 +121,8 @@ def _norm(cfg: dict) -> dict:
     return json.loads(json.dumps(cfg, sort_keys=True, default=str))
 
 
-def _read(path: str) -> dict:
+def read_json(path: str) -> dict:
+    """The JSON object at `path`; {} where there is none (or it is not an object)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -146,12 +147,13 @@ def _file_lock(path: str):
             fcntl.flock(lf, fcntl.LOCK_UN)
 
 
-def _store(kernel: str, arch: str, kstr: str, entry: dict) -> None:
-    path = _file(kernel, arch)
+def store_json(path: str, key: str, value: object) -> None:
+    """Set `key` in the JSON object at `path`, merged under a file lock with what other processes wrote meanwhile,
+    written to a temporary file and renamed over it (readers never see half a file)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with _file_lock(path):
-        data = _read(path)  # merge with what other processes wrote meanwhile
-        data[kstr] = entry
+        data = read_json(path)
+        data[key] = value
         fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=os.path.dirname(path))
         try:
             with os.fdopen(fd, "w") as f:
@@ -243,7 +245,7 @@ def pick_config(
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     try:
-        _store(kernel, arch, kstr, entry)
+        store_json(_file(kernel, arch), kstr, entry)
     except OSError as exc:  # a read-only cache dir must not break the kernel
         print(f"tkopt autotune: could not write the cache ({exc}); keeping the winner in memory", file=sys.stderr)
     with _LOCK:

@@ -255,7 +255,7 @@ def map_in_workers(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int,
     with _current_lock:
         shared = _current if _current is not None and _current.serves() else None
     with contextlib.ExitStack() as stack:
-        source = shared or Zygote([module])
+        source = shared or Zygote(["tilelang.language", module])  # the kernel modules import TileLang lazily
         if shared is None:
             stack.callback(source.close)
         return _map(source, (module, name), jobs, workers, cancel)
