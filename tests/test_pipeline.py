@@ -396,7 +396,7 @@ def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) 
     torch.manual_seed(0)
     model = blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=256, heads=4, max_seq=128)).eval().cuda().half()
     inputs = tuple(_cuda(t) for t in model.example_inputs(batch=2, seq=77))
-    fast = tkopt.compile(model, inputs)
+    fast = tkopt.compile(model, inputs, dynamic=True)
     report = fast.tkopt_report
     assert report.target == "torch-cuda"
     _check_measured(report, {"eager"})
@@ -417,7 +417,7 @@ def test_cuda_measures_against_inductor_and_cuda_graphs(cache_dir, monkeypatch) 
         want = model(*inputs)
         assert ((fast(*inputs) - want).abs().max() / want.abs().max()).item() < 1e-2
     _refuse_to_measure(monkeypatch, TorchTarget)
-    again = tkopt.compile(model, inputs)
+    again = tkopt.compile(model, inputs, dynamic=True)
     assert all(d.cached for d in again.tkopt_report.nodes) and _measured_nothing(again.tkopt_report.whole_graph)
 
 
