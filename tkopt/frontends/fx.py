@@ -15,6 +15,7 @@ Parameters and persistent buffers get no `const` (`_mutable_state`): they may ch
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from tkopt.frontends.layout_copies import drop_layout_copies
 from tkopt.ir import Graph, Node, Value
 
+log = logging.getLogger(__name__)
 INT64_MAX = 2**63 - 1
 _DTYPES = {
     torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
@@ -217,6 +219,14 @@ def _cast(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
     return "Cast", [a["self"]], {"to": dtype_name(a["dtype"])}
 
 
+def _type_as(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
+    """x.type_as(y): x cast to y's dtype, where both are on one device (type_as moves to y's device too)."""
+    src, like = node_val(n.args[0]), node_val(n.args[1])
+    if not (_is_tensor(src) and _is_tensor(like)) or src.device != like.device:
+        return None
+    return "Cast", [a["self"]], {"to": dtype_name(like.dtype)}
+
+
 def _identity(n: fx.Node, a: dict[str, Any]) -> Mapped | None:
     """clone/contiguous/alias/detach are Identity only when the result keeps the input's strides:
     a clone that makes a tensor contiguous is what a later aten.view relies on, so it stays."""
@@ -300,7 +310,7 @@ HANDLERS: dict[str, Handler] = {
     "softmax": _softmax, "_softmax": _softmax,
     "layer_norm": _layer_norm, "native_layer_norm": _layer_norm, "rms_norm": _rms_norm, "gelu": _gelu,
     "mean": _reduce("ReduceMean"), "sum": _reduce("ReduceSum"),
-    "_to_copy": _cast, "to": _cast,
+    "_to_copy": _cast, "to": _cast, "type_as": _type_as,
     "clone": _identity, "alias": _identity, "detach": _identity, "contiguous": _identity,
     "lift_fresh_copy": _identity,
     "scaled_dot_product_attention": _sdpa("attn_mask"),
@@ -329,6 +339,37 @@ def _unobserved_in_place(node: fx.Node) -> str | None:
     if not isinstance(target, fx.Node) or target.op != "call_function" or len(target.users) != 1:
         return None
     return name[:-1]
+
+
+def functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`ep`, functionalized by torch where its graph mutates an intermediate that something else reads too.
+
+    torch.export's graph keeps in-place ops. XLM and FlauBERT write `scores.masked_fill_(mask, -inf)` and then read
+    `scores` again: the mask reaches softmax only through the mutation, which the IR's dataflow does not carry, so
+    the op stays opaque (`_unobserved_in_place` maps only mutations nothing else reads) and the attention there
+    unfused. torch's own functionalization (run_decompositions with an empty table: no op is decomposed) makes the
+    mutation dataflow, aliasing views included; it re-traces the program (0.6 s for a 2-layer XLM on CPU), so only
+    graphs that need it pay. Mutated inputs and buffers are left as they are: the unlifted module writes them back.
+    """
+    if not any(_observed_in_place(n) for n in ep.graph.nodes):
+        return ep
+    try:
+        return ep.run_decompositions({})
+    except Exception as e:  # noqa: BLE001 - the mutation then stays an opaque op, as before
+        log.info("tkopt: functionalizing the export failed (%s: %s); its in-place ops stay opaque",
+                 type(e).__name__, e)
+        return ep
+
+
+def _observed_in_place(node: fx.Node) -> bool:
+    """An in-place aten op on an intermediate that another node reads too (see `functional`)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    if not (schema.arguments and schema.arguments[0].is_write and schema.name.endswith("_")):
+        return False
+    target = node.args[0] if node.args else None
+    return isinstance(target, fx.Node) and target.op == "call_function" and len(target.users) > 1
 
 
 def bind_args(target: torch._ops.OpOverload, node: fx.Node) -> dict[str, Any]:
@@ -523,6 +564,7 @@ def import_fx(
 ) -> Graph:
     """Import an ExportedProgram (before or after run_decompositions) or an fx.GraphModule."""
     if isinstance(model, torch.export.ExportedProgram):
+        model = functional(model)
         gm = model.module()  # unlifted: parameters, buffers and lifted constants are get_attr
         drop_layout_copies(gm)  # torch's slow paths' copies before attention (a copy of the program: ours to edit)
         graph = FxImporter(gm, "exported_program").run()
