@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from filelock import FileLock
 
 from tkopt.files import write_atomic
+from tkopt.kernels.libraries import installed_version, sources_digest
 from tkopt.kernels.tuning import cache_dir
 
 
@@ -33,18 +33,8 @@ def versions() -> dict[str, str]:
     import tkopt.fused_ops
     import tkopt.kernels
 
-    h = hashlib.sha256()
-    for pkg in (tkopt.kernels, tkopt.fused_ops):
-        for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
-            h.update(path.name.encode() + path.read_bytes())
-    return {"tkopt": _version("tkopt"), "tilelang": _version("tilelang"), "sources": h.hexdigest()[:16]}
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree (the GPU session)
-        return "unknown"
+    sources = sources_digest(*(Path(pkg.__file__).parent for pkg in (tkopt.kernels, tkopt.fused_ops)))
+    return {"tkopt": installed_version("tkopt"), "tilelang": installed_version("tilelang"), "sources": sources}
 
 
 def digest(*parts: Any) -> str:

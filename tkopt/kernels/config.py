@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from .arch import ARCHS, UnsupportedError
-from .libraries import tilelang_version
+from .libraries import installed_version
 from .precision import PRECISIONS
 from .tuning import cache_dir, read_json, store_json
 
@@ -390,7 +390,7 @@ def _warp_layouts(arch: str, dt: str, bm: int, bn: int, threads: int) -> dict[in
     """{policy: (warps along M, warps along N)} as TileLang partitions warps for this tile and instruction; kept on
     disk per TileLang version, so that checking a config (planning a warm compile's GEMMs) imports no TileLang."""
     path = os.path.join(cache_dir(), WARP_LAYOUTS)
-    key = json.dumps([tilelang_version(), arch, dt, bm, bn, threads])
+    key = json.dumps([installed_version("tilelang"), arch, dt, bm, bn, threads])
     known = read_json(path).get(key)
     if isinstance(known, dict):
         return {int(p): (int(w[0]), int(w[1])) for p, w in known.items()}

@@ -108,21 +108,29 @@ def _key(ident: tuple, target: dict | str, pass_configs: dict) -> str:
 
 
 @functools.cache
-def tilelang_version() -> str:
-    """TileLang's version, read without importing it."""
+def installed_version(package: str) -> str:
+    """An installed package's version, read without importing it; "unknown" for one run from a source tree or
+    PYTHONPATH (the GPU session's tkopt and TileLang)."""
     try:
-        return importlib.metadata.version("tilelang")
-    except importlib.metadata.PackageNotFoundError:  # a TileLang on PYTHONPATH (the GPU session's)
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def sources_digest(*folders: Path) -> str:
+    """A short digest of the Python sources in `folders` (names and contents, in order): an edited source changes
+    it, so what was compiled or measured from the old one is not reused."""
+    h = hashlib.sha256()
+    for folder in folders:
+        for path in sorted(folder.glob("*.py")):
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @functools.cache
 def _versions() -> tuple[str, str]:
     """TileLang's version and a digest of the kernels' sources: a changed program or compiler is compiled anew."""
-    h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode() + path.read_bytes())
-    return tilelang_version(), h.hexdigest()[:16]
+    return installed_version("tilelang"), sources_digest(Path(__file__).parent)
 
 
 @functools.cache
