@@ -91,6 +91,10 @@ while True:
 """
 
 
+# What every compile needs, imported by each zygote before the modules it is given: the kernel modules import TileLang
+# only where they build a program (tkopt.kernels.libraries).
+PRELOAD = ("tilelang.language",)
+
 # TileLang's import asks torch whether CUDA is there; through the CUDA runtime that initializes CUDA, which a
 # forked child then cannot use ("initialization error"). Through NVML (torch's switch for forking parents) it
 # does not, so the workers, which get the caller's environment without it, may use CUDA as a fresh process does.
@@ -108,7 +112,7 @@ class Zygote:
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _ZYGOTE, pickle.dumps(list(sys.path)).hex(), str(theirs.fileno()),
-                 pickle.dumps(list(modules)).hex()], stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+                 pickle.dumps([*PRELOAD, *modules]).hex()], stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
                 env=_NO_CUDA_INIT | os.environ)
         self._lock = threading.Lock()
         self._owner = os.getpid()
@@ -255,7 +259,7 @@ def map_in_workers(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int,
     with _current_lock:
         shared = _current if _current is not None and _current.serves() else None
     with contextlib.ExitStack() as stack:
-        source = shared or Zygote(["tilelang.language", module])  # the kernel modules import TileLang lazily
+        source = shared or Zygote([module])
         if shared is None:
             stack.callback(source.close)
         return _map(source, (module, name), jobs, workers, cancel)

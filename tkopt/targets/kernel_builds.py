@@ -230,8 +230,7 @@ def workers_ahead() -> Iterator[None]:
     if not use_kernels() or (build_workers() or default_workers(2)) < 2:
         yield
         return
-    # TileLang too: the kernel modules import it only where they build a program (tkopt.kernels.libraries)
-    with zygote(["tilelang.language", *sorted({fn.split(":")[0] for fn in BUILD_SECONDS})]):
+    with zygote(sorted({fn.split(":")[0] for fn in BUILD_SECONDS})):
         yield
 
 
