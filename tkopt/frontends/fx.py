@@ -331,14 +331,23 @@ def _unobserved_in_place(node: fx.Node) -> str | None:
     make_fx and AOTAutograd graphs): the mutation is unobservable, so the op is its functional form.
     A mutated graph input, constant or value read elsewhere stays unmapped.
     """
-    schema = node.target._schema
     name = node.target.overloadpacket.__name__
-    target = node.args[0] if node.args else None
-    if not (name.endswith("_") and not name.startswith("_") and schema.arguments and schema.arguments[0].is_write):
-        return None
-    if not isinstance(target, fx.Node) or target.op != "call_function" or len(target.users) != 1:
+    target = _mutated_intermediate(node)
+    if name.startswith("_") or target is None or len(target.users) != 1:
         return None
     return name[:-1]
+
+
+def _mutated_intermediate(node: fx.Node) -> fx.Node | None:
+    """The intermediate (a call_function's result) that `node`, an in-place aten op, writes; None for any other
+    node, or where what it writes is a graph input, parameter or buffer."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    schema = node.target._schema
+    if not (schema.name.endswith("_") and schema.arguments and schema.arguments[0].is_write):
+        return None
+    target = node.args[0] if node.args else None
+    return target if isinstance(target, fx.Node) and target.op == "call_function" else None
 
 
 def functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -351,7 +360,7 @@ def functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram
     mutation dataflow, aliasing views included; it re-traces the program (0.6 s for a 2-layer XLM on CPU), so only
     graphs that need it pay. Mutated inputs and buffers are left as they are: the unlifted module writes them back.
     """
-    if not any(_observed_in_place(n) for n in ep.graph.nodes):
+    if not any(len(target.users) > 1 for n in ep.graph.nodes if (target := _mutated_intermediate(n)) is not None):
         return ep
     try:
         return ep.run_decompositions({})
@@ -359,17 +368,6 @@ def functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram
         log.info("tkopt: functionalizing the export failed (%s: %s); its in-place ops stay opaque",
                  type(e).__name__, e)
         return ep
-
-
-def _observed_in_place(node: fx.Node) -> bool:
-    """An in-place aten op on an intermediate that another node reads too (see `functional`)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    schema = node.target._schema
-    if not (schema.arguments and schema.arguments[0].is_write and schema.name.endswith("_")):
-        return False
-    target = node.args[0] if node.args else None
-    return isinstance(target, fx.Node) and target.op == "call_function" and len(target.users) > 1
 
 
 def bind_args(target: torch._ops.OpOverload, node: fx.Node) -> dict[str, Any]:
