@@ -16,11 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
-from tkopt.files import write_atomic
 from tkopt.kernels.libraries import installed_version, sources_digest
-from tkopt.kernels.tuning import cache_dir
+from tkopt.kernels.tuning import cache_dir, read_json, store_json
 
 
 def cache_path(*parts: str) -> Path:
@@ -44,21 +41,14 @@ def digest(*parts: Any) -> str:
 
 
 class JsonFile:
-    """A JSON object on disk shared by processes: `read()`, and `update(key, value)` merged under a lock."""
+    """A JSON object on disk shared by processes: `read()`, and `update(key, value)` merged under a lock (the
+    kernels' tuning-cache writer, so every cache file is written one way)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_json(str(self.path))
 
     def update(self, key: str, value: Any) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(f"{self.path}.lock"):
-            data = self.read()  # what other processes wrote meanwhile
-            data[key] = value
-            write_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        store_json(str(self.path), key, value)
