@@ -240,17 +240,23 @@ class CompiledModule(nn.Module):
     @property
     def tkopt_report(self) -> Report:
         """The report of the latest specialization (`print` it for the table)."""
-        return self.specializations[-1].report
+        return self._latest().report
 
     @property
     def tkopt_accuracy(self) -> Accuracy | None:
         """The latest program's accuracy check (check_accuracy=True), with the input sizes it ran."""
-        return self.specializations[-1].accuracy
+        return self._latest().accuracy
 
     @property
     def graph_module(self) -> fx.GraphModule:
         """The latest optimized program (re-exportable with torch.export)."""
-        return self.specializations[-1].module
+        return self._latest().module
+
+    def _latest(self) -> Specialization:
+        if not self.specializations:
+            raise RuntimeError("tkopt.compile: nothing is compiled yet: the module exports at its first call "
+                               "(or pass example_inputs to tkopt.compile)")
+        return self.specializations[-1]
 
     @gc_paused()
     def specialize(self, args: tuple, kwargs: dict) -> Specialization:
@@ -361,7 +367,7 @@ class CompiledModule(nn.Module):
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     module: nn.Module,
-    example_inputs: Sequence[Any] | torch.Tensor = (),
+    example_inputs: Sequence[Any] | torch.Tensor | None = None,
     example_kwargs: dict[str, Any] | None = None,
     *,
     disable: Iterable[str] = (),
@@ -373,7 +379,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 ) -> CompiledModule:
     """Export `module` with `example_inputs` (its positional arguments; a lone tensor is the one argument)
     and keyword inputs `example_kwargs`, fuse, and return a module with the same call signature and the
-    same outputs, as torch.export takes them.
+    same outputs, as torch.export takes them. Without either, the export waits for the first call, as
+    torch.compile's does (`tkopt.compile(module)` then `module(x)`); `()` is an example for a module that
+    takes no arguments.
 
     Inputs and outputs may hold objects torch's pytree does not know, such as transformers' KV caches:
     they are flattened by their attributes (tkopt.object_trees), and a cache the model updates in place is
@@ -392,6 +400,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     (tkopt.differential; `.tkopt_accuracy` lists them) and raises AccuracyError on a mismatch.
     """
     compiled = CompiledModule(module, disable, dynamic, cuda_graphs, inductor, select, check_accuracy)
-    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    if example_inputs is None and example_kwargs is None:
+        return compiled
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs or ())
     compiled.specialize(*Boxer().box((args, dict(example_kwargs or {}))))
     return compiled

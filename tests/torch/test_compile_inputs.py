@@ -20,6 +20,36 @@ def test_a_bare_tensor_is_the_one_positional_input() -> None:
     torch.testing.assert_close(compiled(x[:1]), model(x[:1]))
 
 
+def test_without_example_inputs_the_export_waits_for_the_first_call() -> None:
+    """`tkopt.compile(module)` then `module(x)`, as torch.compile is used: it exported with no arguments and
+    failed inside torch.export ("forward() missing 1 required positional argument")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU()).eval()
+    compiled = tkopt.compile(model, select="all")
+    with pytest.raises(RuntimeError, match="nothing is compiled yet: the module exports at its first call"):
+        compiled.tkopt_report  # noqa: B018 - the property is the check
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert compiled.tkopt_report.fusions["gemm"] == 1 and len(compiled.specializations) == 1
+    torch.testing.assert_close(compiled(x[:1]), model(x[:1]))  # another size: exported again, dynamic
+    assert len(compiled.specializations) == 2
+
+
+def test_an_empty_example_is_a_module_without_arguments() -> None:
+    class Constant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self) -> torch.Tensor:
+            return torch.relu(self.w @ self.w)
+
+    model = Constant().eval()
+    compiled = tkopt.compile(model, ())
+    assert len(compiled.specializations) == 1
+    torch.testing.assert_close(compiled(), model())
+
+
 def test_a_size_the_exports_guards_refuse_gets_its_own_specialization(monkeypatch) -> None:
     """torch.export's range can admit a size its guards refuse: GPT-2's causal mask is sliced from a 128-row
     buffer, so seq is in [2, 128] and seq != 128. A call there raised "Guard failed" from the program; it is
