@@ -32,16 +32,23 @@ than the kernels. cuda_graphs=False runs every call through Python. On CUDA the 
 unfused also go through inductor by default (inductor=None): the first input signature compiled directly
 (tkopt.backends.inductor), later ones through torch.compile's automatic dynamic shapes (static first, dynamic on
 a recompile), as the user's own torch.compile would.
+
+A module torch.export cannot export (data-dependent control flow, as Longformer's padding to its attention
+window) is compiled with torch.compile and the tkopt backend instead, with a warning naming the export's error:
+Dynamo breaks the graph where export gave up and each piece goes through the same pipeline. With
+check_accuracy=True the export's error is raised instead: the backend checks no accuracy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -205,6 +212,16 @@ def _no_stack_traces() -> Iterator[None]:
         fx_config.do_not_emit_stack_traces = before
 
 
+def _caller_level() -> int:
+    """The warnings stacklevel of the first frame outside tkopt, torch.nn's call machinery and contextlib, from
+    the caller of this function: tkopt.compile and a module call reach the export through different depths."""
+    internal = (str(Path(__file__).parent), str(Path(nn.modules.__file__).parent), contextlib.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _export(module: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torch.export.ExportedProgram:
     """Export `Exported(module)` on boxed (args, kwargs)."""
     wrapped = Exported(module)
@@ -236,10 +253,14 @@ class CompiledModule(nn.Module):
         self.uncaptured_reason: str | None = None  # why the latest call ran without a CUDA graph
         self.specializations: list[Specialization] = []
         self.plain: Any = None  # the alternative that won the first comparison: every call goes to it
+        self.backend: Any = None  # where the module cannot be exported: the tkopt backend that `plain` calls
 
     @property
     def tkopt_report(self) -> Report:
-        """The report of the latest specialization (`print` it for the table)."""
+        """The report of the latest specialization (`print` it for the table); where the module could not be
+        exported, of the tkopt backend's latest graph (every graph's: `backend_reports`)."""
+        if self.backend_reports:
+            return self.backend_reports[-1]
         return self._latest().report
 
     @property
@@ -258,16 +279,43 @@ class CompiledModule(nn.Module):
                                "(or pass example_inputs to tkopt.compile)")
         return self.specializations[-1]
 
+    @property
+    def backend_reports(self) -> list[Report]:
+        """Where the module could not be exported: the tkopt backend's report per Dynamo graph, oldest first."""
+        return [] if self.backend is None else [gm.tkopt_report for gm in self.backend.graph_modules]
+
+    def _through_the_backend(self, error: Exception) -> None:
+        """Route every call through torch.compile with the tkopt backend: `error` kept torch.export from
+        exporting the module."""
+        from tkopt.backends.dynamo import make_backend
+
+        cause = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        name = type(self.module).__name__
+        if self.check_accuracy:
+            raise RuntimeError(f"tkopt.compile: torch.export cannot export {name} ({cause}); check_accuracy needs "
+                               "an exported program") from error
+        warnings.warn(f"tkopt.compile: torch.export cannot export {name} ({cause}); compiling it with "
+                      "torch.compile(backend=\"tkopt\") instead, which fuses each graph between Dynamo's graph "
+                      "breaks (see .backend_reports)", stacklevel=_caller_level())
+        self.backend = make_backend(self.disable, self.cuda_graphs, self.select, self.inductor)
+        self.plain = torch.compile(self.module, backend=self.backend, dynamic=self.dynamic)
+        self.uncaptured_reason = "torch.compile with the tkopt backend runs (the module cannot be exported)"
+
     @gc_paused()
-    def specialize(self, args: tuple, kwargs: dict) -> Specialization:
-        """Export and optimize for boxed (args, kwargs) (see `forward`)."""
+    def specialize(self, args: tuple, kwargs: dict) -> Specialization | None:
+        """Export and optimize for boxed (args, kwargs) (see `forward`); None where the module cannot be
+        exported (every call then goes through the tkopt backend)."""
         with workers_ahead():
             return self._specialize(args, kwargs)
 
-    def _specialize(self, args: tuple, kwargs: dict) -> Specialization:
+    def _specialize(self, args: tuple, kwargs: dict) -> Specialization | None:
         t0 = time.perf_counter()
         dynamic = bool(self.specializations) if self.dynamic is None else self.dynamic
-        ep = _export(self.module, args, kwargs, dynamic)
+        try:
+            ep = _export(self.module, args, kwargs, dynamic)
+        except Exception as e:  # noqa: BLE001 - whatever stops torch.export, Dynamo may trace around
+            self._through_the_backend(e)
+            return None
         graph = import_fx(ep)
         exported = time.perf_counter() - t0
         flat, spec = pytree.tree_flatten(((args, kwargs), {}))
@@ -356,7 +404,8 @@ class CompiledModule(nn.Module):
         flat, spec = pytree.tree_flatten((boxed, {}))
         index = next((i for i, e in enumerate(self.specializations) if e.accepts(spec, flat)), None)
         if index is None:
-            self.specialize(*boxed)
+            if self.specialize(*boxed) is None:
+                return self.plain(*args, **kwargs)
             index = len(self.specializations) - 1
         entry = self.specializations[index]
         if not entry.graphed:

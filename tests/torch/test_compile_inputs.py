@@ -102,3 +102,41 @@ def test_the_export_records_no_stack_traces(monkeypatch) -> None:
     traced = [n for n in exported.graph.nodes if n.op == "call_function"]
     assert traced and not any(n.meta.get("stack_trace") for n in traced)
     assert config.do_not_emit_stack_traces is False
+
+
+class DataDependent(nn.Module):
+    """A branch on a tensor's value: torch.export cannot export it (a guard on data), Dynamo breaks the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.up(x))
+        if h.sum() > 0:
+            return self.down(h) * 2
+        return self.down(h) - 1
+
+
+def test_a_module_torch_export_cannot_export_runs_through_the_backend() -> None:
+    """Longformer and LED (padding to the attention window) failed inside torch.export with its multi-page
+    GuardOnDataDependentSymNode error; they run through torch.compile(backend="tkopt") with a one-line warning."""
+    torch.manual_seed(0)
+    model = DataDependent().eval()
+    x = torch.randn(3, 5, 8)
+    with pytest.warns(UserWarning, match=r"torch.export cannot export DataDependent \(\w+: .*\); compiling it with "
+                      r"torch.compile\(backend=\"tkopt\"\) instead"):
+        compiled = tkopt.compile(model, x, select="all")
+    with torch.no_grad():
+        for inputs in (x, -x, x[:1]):  # both branches, another size
+            torch.testing.assert_close(compiled(inputs), model(inputs))
+    assert not compiled.specializations
+    assert sum(r.fusions["gemm"] for r in compiled.backend_reports) >= 1
+    assert compiled.tkopt_report is compiled.backend_reports[-1]
+
+
+def test_check_accuracy_needs_an_exported_program() -> None:
+    with pytest.raises(RuntimeError, match="torch.export cannot export DataDependent .*check_accuracy needs an "
+                       "exported program"):
+        tkopt.compile(DataDependent().eval(), torch.randn(2, 8), check_accuracy=True)
