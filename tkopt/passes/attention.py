@@ -4,7 +4,8 @@ Two anchors. A decomposed attention is found from its Softmax: backwards through
 (scale Mul/Div, additive-mask Add, Where(cond, scores, fill) and masked_fill masks, Casts) to Q·K^T,
 forwards through Casts, eval-mode Dropout and the guards that zero fully masked rows (decomposed
 SDPA's row guard, the dynamo exporter's NaN guard) to ·V. Either MatMul may be the decomposed-FX bmm
-form (Reshape to 3-D, bmm, Reshape back). A ScaledDotProductAttention node (aten.scaled_dot_product_
+form (Reshape to 3-D, bmm, Reshape back), or an einsum that is a 4-D batched matmul ("bhqd,bhkd->bhqk"
+reads K as K^T: einsum_matmul). A ScaledDotProductAttention node (aten.scaled_dot_product_
 attention) is converted directly. In both, the Q/K/V operands are then "peeled": single-use Transposes
 (permutations composed, the net effect checked exactly; also dynamo's 3-D K^T), scale Muls on Q and K,
 and the GQA head repeat of K/V (repeat_interleave semantics only) are absorbed, and BSHD inputs with a
@@ -256,9 +257,10 @@ class _Peel:
     gqa_refusal: str | None = None
 
 
-def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool) -> _Peel:
-    """Every source reachable from `operand` through single-use layout/scale/head-repeat nodes."""
-    st = _Src(operand, IDENT)
+def _peel(view: _View, operand: Value, reader: Node, *, allow_scale: bool, net: tuple[int, ...] = IDENT) -> _Peel:
+    """Every source reachable from `operand` through single-use layout/scale/head-repeat nodes; `net`: how the
+    matmul reads `operand` (SWAP: an einsum that contracts K's last axis reads K as K^T)."""
+    st = _Src(operand, net)
     out = _Peel([st])
     while True:
         cur = st.value
@@ -676,8 +678,8 @@ def _broadcast_problem(view: _View, m: Value, scores: Shape | None) -> str | Non
 # ---- decomposed attention (anchored at Softmax) ---------------------------------------------------
 @dataclass
 class _Mm:
-    """A 4-D batched MatMul out = a @ b: a MatMul node, or the bmm form of decomposed FX
-    (Reshape to 3-D, bmm, Reshape back) with the nodes it spans."""
+    """A 4-D batched MatMul out = a @ b: a MatMul node, the bmm form of decomposed FX (Reshape to 3-D, bmm,
+    Reshape back) with the nodes it spans, or an einsum that is one (b_net SWAP where it reads b transposed)."""
 
     a: Value
     a_reader: Node
@@ -685,6 +687,31 @@ class _Mm:
     b_reader: Node
     out: Value
     nodes: list[Node]
+    b_net: tuple[int, ...] = IDENT
+
+
+EINSUMS = ("aten::einsum", "Einsum")
+
+
+def einsum_matmul(n: Node) -> tuple[int, ...] | None:
+    """How einsum node `n` reads its second operand if it is a 4-D batched matmul of two operands (IDENT:
+    "abcd,abde->abce", a @ b; SWAP: "abcd,abed->abce", a @ b^T), else None: an ellipsis, a broadcast or
+    repeated letter, or any other contraction is not one."""
+    eq = n.attrs.get("equation") if n.op in EINSUMS else None
+    if not isinstance(eq, str) or len(n.inputs) != 2:
+        return None
+    ins, _, out = eq.replace(" ", "").partition("->")
+    terms = ins.split(",")
+    if len(terms) != 2 or not all(len(t) == 4 and t.isalpha() for t in (*terms, out)):
+        return None
+    (a, b), c = terms, out
+    if len(set(a + b)) != 5 or a[:2] != b[:2] or c[:3] != a[:3]:
+        return None
+    if b[2] == a[3] and c[3] == b[3]:
+        return IDENT
+    if b[3] == a[3] and c[3] == b[2]:
+        return SWAP
+    return None
 
 
 def _unflatten(view: _View, v3: Value, reader: Node) -> tuple[Value, Node, list[Node]] | None:
@@ -717,6 +744,8 @@ def _as_matmul(view: _View, p: Node | None) -> _Mm | None:
         return None
     if p.op == "MatMul":
         return _Mm(p.inputs[0], p, p.inputs[1], p, p.outputs[0], [p])  # type: ignore[arg-type]
+    if (b_net := einsum_matmul(p)) is not None:
+        return _Mm(p.inputs[0], p, p.inputs[1], p, p.outputs[0], [p], b_net)  # type: ignore[arg-type]
     if p.op != "Reshape":
         return None
     mm = view.producer(p.inputs[0])
@@ -755,7 +784,7 @@ def _leads_to_matmul(view: _View, v: Value | None, depth: int = 8) -> bool:
     p = view.producer(v)
     if p is None or depth == 0:
         return False
-    if p.op == "MatMul" or (p.op == "Reshape" and _as_matmul(view, p) is not None):
+    if p.op == "MatMul" or einsum_matmul(p) is not None or (p.op == "Reshape" and _as_matmul(view, p) is not None):
         return True
     return p.op in CHAIN_OPS and any(_leads_to_matmul(view, i, depth - 1) for i in p.inputs[:3] if i is not None)
 
@@ -827,7 +856,7 @@ def _probs_chain(view: _View, sm: Node, start: Value) -> tuple[_Mm, list[Node], 
             nodes += guard
             cur, nan_guard = guard[-1].outputs[0], True
             continue
-        pv = [u for u in users if u.op == "MatMul" and u.inputs[0] is cur]
+        pv = [u for u in users if (u.op == "MatMul" or einsum_matmul(u) is not None) and u.inputs[0] is cur]
         mm = _forward_bmm(view, cur) if len(users) == 1 and not pv else None
         if mm is not None:
             return mm, nodes, nan_guard
@@ -947,8 +976,8 @@ def _match_softmax(view: _View, sm: Node) -> _Match:
     return _Match(
         nodes=[*pre, *qk.nodes, sm, *row_guard, *post, *pv.nodes],
         q=_peel(view, qk.a, qk.a_reader, allow_scale=True),
-        k=_peel(view, qk.b, qk.b_reader, allow_scale=True),
-        v=_peel(view, pv.b, pv.b_reader, allow_scale=False),
+        k=_peel(view, qk.b, qk.b_reader, allow_scale=True, net=qk.b_net),
+        v=_peel(view, pv.b, pv.b_reader, allow_scale=False, net=pv.b_net),
         out=pv.out, scale=scale, masks=_resolve_masks(view, terms, view.shapes.shape(qk.out), qk.out.dtype),
         k_transposed=True,
         guard="nan" if nan_guard else "masked" if row_guard else "none",
@@ -1032,7 +1061,10 @@ def _near_miss(view: _View, sm: Node) -> str | None:
         if mm.op == "aten::baddbmm":
             return (f"{what} is aten::baddbmm {mm.name}, a batched matmul with a bias added inside it (ALiBi's "
                     "position bias): the attention patterns take a MatMul with the bias added to its result")
-        if mm.op != "MatMul":
+        if mm.op in EINSUMS and einsum_matmul(mm) is None:
+            return (f"{what} is the einsum {mm.name} ({mm.attrs.get('equation')!r}), not a 4-D batched matmul of two "
+                    "operands: the attention patterns take one")
+        if mm.op != "MatMul" and einsum_matmul(mm) is None:
             return f"{what} is {mm.op} {mm.name}: the attention patterns take a MatMul"
     if rank != 4:
         return f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)"

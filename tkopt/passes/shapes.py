@@ -134,6 +134,8 @@ class Shapes:
             return None if batch is None else (*batch, src[-2], other[-1])
         if p.op == "Transpose" and p.attrs.get("perm") is not None:
             return tuple(src[i] for i in p.attrs["perm"])
+        if p.op in ("Einsum", "aten::einsum"):
+            return self._einsum_shape(p)
         if p.op == "Reshape":
             target = self._target(p)
             return None if target is None else _reshape(src, target, p.attrs.get("allowzero", 0))
@@ -169,6 +171,23 @@ class Shapes:
             axis = norm_axis(int(p.attrs.get("axis", 0)), len(src))
             return (*src[:axis], *idx, *src[axis + 1:])
         return None
+
+    def _einsum_shape(self, p: Node) -> Shape | None:
+        """Einsum without an ellipsis: each output letter's dim, broadcast over the operands that carry it."""
+        eq = p.attrs.get("equation")
+        ins, arrow, out = eq.replace(" ", "").partition("->") if isinstance(eq, str) else ("", "", "")
+        terms = ins.split(",")
+        shapes = [self.shape(i) for i in p.inputs]
+        if not arrow or "." in eq or len(terms) != len(shapes):
+            return None
+        dims: dict[str, list[Shape]] = {}
+        for term, shape in zip(terms, shapes, strict=True):
+            if shape is None or len(shape) != len(term):
+                return None
+            for letter, d in zip(term, shape, strict=True):
+                dims.setdefault(letter, []).append((d,))
+        found = [_broadcast(dims[c]) if c in dims else None for c in out]
+        return None if any(d is None for d in found) else tuple(d[0] for d in found)  # type: ignore[index]
 
     def _concat_shape(self, p: Node) -> Shape | None:
         """Concat: the axis sums; every other axis is equal in every run (Concat requires it), so any
