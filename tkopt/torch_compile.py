@@ -254,6 +254,7 @@ class CompiledModule(nn.Module):
         self.specializations: list[Specialization] = []
         self.plain: Any = None  # the alternative that won the first comparison: every call goes to it
         self.backend: Any = None  # where the module cannot be exported: the tkopt backend that `plain` calls
+        self.export_error: str | None = None  # then why: torch.export's error, as one line
 
     @property
     def tkopt_report(self) -> Report:
@@ -289,7 +290,7 @@ class CompiledModule(nn.Module):
         exporting the module."""
         from tkopt.backends.dynamo import make_backend
 
-        cause = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        cause = self.export_error = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
         name = type(self.module).__name__
         if self.check_accuracy:
             raise RuntimeError(f"tkopt.compile: torch.export cannot export {name} ({cause}); check_accuracy needs "

@@ -131,7 +131,7 @@ def test_a_module_torch_export_cannot_export_runs_through_the_backend() -> None:
     with torch.no_grad():
         for inputs in (x, -x, x[:1]):  # both branches, another size
             torch.testing.assert_close(compiled(inputs), model(inputs))
-    assert not compiled.specializations
+    assert not compiled.specializations and compiled.export_error.startswith("GuardOnDataDependentSymNode: ")
     assert sum(r.fusions["gemm"] for r in compiled.backend_reports) >= 1
     assert compiled.tkopt_report is compiled.backend_reports[-1]
 

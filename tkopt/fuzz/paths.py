@@ -223,6 +223,8 @@ def _check_fx(path: str, mod: ModuleType, runs: dict) -> Outcome:
             compiled = tkopt.compile(model, runs[shapes[0]][0], select="all")  # every fusion, measured faster or not
         except Exception as e:  # noqa: BLE001
             return _with_shapes(classify(path, e, shapes[0]), shapes)
+        if compiled.export_error is not None:  # it runs through the tkopt backend: no exported program to check
+            return _with_shapes(Outcome(path, "rejected", f"torch.export: {compiled.export_error[:300]}"), shapes)
         fused = dict(compiled.tkopt_report.fusions)
         for shape in shapes:
             inputs, want = runs[shape]
