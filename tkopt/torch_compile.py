@@ -299,7 +299,8 @@ class CompiledModule(nn.Module):
                       "torch.compile(backend=\"tkopt\") instead, which fuses each graph between Dynamo's graph "
                       "breaks (see .backend_reports)", stacklevel=_caller_level())
         self.backend = make_backend(self.disable, self.cuda_graphs, self.select, self.inductor)
-        self.plain = torch.compile(self.module, backend=self.backend, dynamic=self.dynamic)
+        optimized = torch.compile(self.module, backend=self.backend, dynamic=self.dynamic)
+        self.plain = lambda *a, **kw: optimized(*a, **kw)  # not a submodule: its parameters are the module's
         self.uncaptured_reason = "torch.compile with the tkopt backend runs (the module cannot be exported)"
 
     @gc_paused()

@@ -134,6 +134,7 @@ def test_a_module_torch_export_cannot_export_runs_through_the_backend() -> None:
     assert not compiled.specializations and compiled.export_error.startswith("GuardOnDataDependentSymNode: ")
     assert sum(r.fusions["gemm"] for r in compiled.backend_reports) >= 1
     assert compiled.tkopt_report is compiled.backend_reports[-1]
+    assert compiled.state_dict().keys() == {f"module.{k}" for k in model.state_dict()}
 
 
 def test_check_accuracy_needs_an_exported_program() -> None:
