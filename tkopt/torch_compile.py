@@ -260,9 +260,8 @@ class CompiledModule(nn.Module):
     def tkopt_report(self) -> Report:
         """The report of the latest specialization (`print` it for the table); where the module could not be
         exported, of the tkopt backend's latest graph (every graph's: `backend_reports`)."""
-        if self.backend_reports:
-            return self.backend_reports[-1]
-        return self._latest().report
+        reports = self.backend_reports
+        return reports[-1] if reports else self._latest().report
 
     @property
     def tkopt_accuracy(self) -> Accuracy | None:

@@ -43,7 +43,7 @@ from .base import FusionError, PassResult, fuse
 from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal, split_mask
 from .patterns import norm_axes, norm_axis
 from .pipeline import register
-from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, same
+from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, einsum_terms, same
 
 IDENT = (0, 1, 2, 3)
 SWAP = (0, 1, 3, 2)  # K^T from a BHSD K
@@ -697,11 +697,10 @@ def einsum_matmul(n: Node) -> tuple[int, ...] | None:
     """How einsum node `n` reads its second operand if it is a 4-D batched matmul of two operands (IDENT:
     "abcd,abde->abce", a @ b; SWAP: "abcd,abed->abce", a @ b^T), else None: an ellipsis, a broadcast or
     repeated letter, or any other contraction is not one."""
-    eq = n.attrs.get("equation") if n.op in EINSUMS else None
-    if not isinstance(eq, str) or len(n.inputs) != 2:
+    parsed = einsum_terms(n)
+    if parsed is None or len(n.inputs) != 2:
         return None
-    ins, _, out = eq.replace(" ", "").partition("->")
-    terms = ins.split(",")
+    terms, out = parsed
     if len(terms) != 2 or not all(len(t) == 4 and t.isalpha() for t in (*terms, out)):
         return None
     (a, b), c = terms, out
@@ -1064,7 +1063,7 @@ def _near_miss(view: _View, sm: Node) -> str | None:
         if mm.op in EINSUMS and einsum_matmul(mm) is None:
             return (f"{what} is the einsum {mm.name} ({mm.attrs.get('equation')!r}), not a 4-D batched matmul of two "
                     "operands: the attention patterns take one")
-        if mm.op != "MatMul" and einsum_matmul(mm) is None:
+        if mm.op not in ("MatMul", *EINSUMS):
             return f"{what} is {mm.op} {mm.name}: the attention patterns take a MatMul"
     if rank != 4:
         return f"scores have rank {rank}; FusedAttention needs 4-D (B,H,Sq,Skv)"

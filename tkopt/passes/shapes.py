@@ -62,6 +62,16 @@ LOCAL_EVALUATORS = {
 }
 
 
+def einsum_terms(n: Node) -> tuple[list[str], str] | None:
+    """An Einsum node's (operand subscripts, output subscripts), spaces dropped; None for another op, an
+    implicit output (no "->") or an ellipsis."""
+    eq = n.attrs.get("equation") if n.op in ("Einsum", "aten::einsum") else None
+    if not isinstance(eq, str) or "." in eq:
+        return None
+    ins, arrow, out = eq.replace(" ", "").partition("->")
+    return (ins.split(","), out) if arrow else None
+
+
 def same(a: sympy.Expr | None, b: sympy.Expr | None) -> bool:
     """Provably equal dims."""
     return a is not None and b is not None and sympy.expand(a - b) == 0
@@ -134,8 +144,8 @@ class Shapes:
             return None if batch is None else (*batch, src[-2], other[-1])
         if p.op == "Transpose" and p.attrs.get("perm") is not None:
             return tuple(src[i] for i in p.attrs["perm"])
-        if p.op in ("Einsum", "aten::einsum"):
-            return self._einsum_shape(p)
+        if (terms := einsum_terms(p)) is not None:
+            return self._einsum_shape(p, *terms)
         if p.op == "Reshape":
             target = self._target(p)
             return None if target is None else _reshape(src, target, p.attrs.get("allowzero", 0))
@@ -172,13 +182,10 @@ class Shapes:
             return (*src[:axis], *idx, *src[axis + 1:])
         return None
 
-    def _einsum_shape(self, p: Node) -> Shape | None:
-        """Einsum without an ellipsis: each output letter's dim, broadcast over the operands that carry it."""
-        eq = p.attrs.get("equation")
-        ins, arrow, out = eq.replace(" ", "").partition("->") if isinstance(eq, str) else ("", "", "")
-        terms = ins.split(",")
+    def _einsum_shape(self, p: Node, terms: list[str], out: str) -> Shape | None:
+        """Einsum (einsum_terms): each output letter's dim, broadcast over the operands that carry it."""
         shapes = [self.shape(i) for i in p.inputs]
-        if not arrow or "." in eq or len(terms) != len(shapes):
+        if len(terms) != len(shapes):
             return None
         dims: dict[str, list[Shape]] = {}
         for term, shape in zip(terms, shapes, strict=True):
