@@ -565,6 +565,144 @@ def test_hf_encoder_padding_mask_reaches_the_kernel_as_key_padding() -> None:
     _check_padding_split(_Padded(tiny_model("bert", num_hidden_layers=1)).eval(), causal=0)
 
 
+class _IdsOnly(nn.Module):
+    """A transformers model called as most users first call it: input_ids (or pixel_values) alone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)[0]
+
+
+def _sdpa_masks(graph: object) -> list[object]:
+    """The mask input of every attention node left in `graph`: FusedAttention's and SDPA's."""
+    return [n.inputs[3] for n in graph.nodes if n.op in ("FusedAttention", "ScaledDotProductAttention")]
+
+
+@pytest.mark.parametrize("model_type", ["bert", "vit"])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_hf_encoder_mask_that_keeps_everything_is_left_out(model_type: str, fuse: bool) -> None:
+    """Called without attention_mask, transformers' encoders trace their mask as q >= 0 expanded to (b, 1, s,
+    s), where eager passes none. It keeps every score at every
+    size, so it is left out: FusedAttention, or the unfused SDPA (attention fusion disabled), runs without a
+    mask (torch's maskless kernels), and the result equals eager at other batches and lengths."""
+    from tkopt.models.hf import tiny_model
+
+    torch.manual_seed(0)
+    if model_type == "vit":
+        module = _IdsOnly(tiny_model("vit", image_size=16, patch_size=4, num_hidden_layers=1)).eval()
+        make = lambda b, s: torch.randn(b, 3, 16, 16)  # noqa: E731 - s: the image has one size
+        dims: tuple = ({0: Dim("b", max=8)},)
+    else:
+        module = _IdsOnly(tiny_model("bert", num_hidden_layers=1)).eval()
+        make = lambda b, s: torch.randint(1, 100, (b, s))  # noqa: E731
+        dims = ({0: Dim("b", max=8), 1: Dim("s", max=64)},)
+    graph = import_fx(torch.export.export(module, (make(2, 9),), dynamic_shapes=dims))
+    report = run_passes(graph, disable=() if fuse else ["attention"])
+    assert report.edits.get("drop_keep_all_masks") == 1, report.edits
+    masks = _sdpa_masks(graph)
+    assert masks == [None], masks
+    assert any(n.op == "FusedAttention" for n in graph.nodes) == fuse
+    gm = to_torch_module(graph)
+    sdpa = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
+    assert fuse or (len(sdpa) == 1 and sdpa[0].args[3] is None), [n.args for n in sdpa]
+    for b, s in ((1, 1), (3, 7), (2, 37)):
+        x = make(b, s)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), module(x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_backends_encoder_mask_that_keeps_everything_is_left_out() -> None:
+    """The torch.compile backend's graph of the same BERT: its fused attention reads no mask, fused == eager."""
+    from tkopt.backends.dynamo import make_backend
+    from tkopt.models.hf import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("bert", num_hidden_layers=1).eval()
+    backend = make_backend(select="all", inductor=False)
+    x = torch.randint(1, 100, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x)[0], model(x)[0], rtol=1e-4, atol=1e-5)
+    [n] = [n for n in backend.graph_modules[-1].graph.nodes if "fused_attention" in str(n.target)]
+    assert n.args[3] is None, n.args
+
+
+class _KeepAll(nn.Module):
+    """SDPA under a mask of form `form`: "iota" keeps where q >= 0 (everything), "zeros" adds zeros, "filled"
+    adds masked_fill(zeros, q < 0, -inf) (everything kept): each changes no score. Near misses: "iota1" keeps
+    q >= 1 (query 0 sees no key), "ones" adds ones (a bias, though one softmax cancels)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x)
+        s = x.shape[1]
+        i = torch.arange(s)
+        rows = (i >= (1 if self.form == "iota1" else 0))[None, None, :, None].expand(x.shape[0], 1, s, s)
+        if self.form in ("iota", "iota1"):
+            mask = rows
+        elif self.form == "filled":
+            mask = torch.zeros(s, s).masked_fill((i < 0)[:, None], float("-inf"))
+        else:
+            mask = (torch.zeros if self.form == "zeros" else torch.ones)(s, s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("form", ["iota", "zeros", "filled", "iota1", "ones"])
+def test_only_a_mask_that_changes_no_score_is_left_out(form: str) -> None:
+    """A bool mask that keeps everything, an additive mask of zeros, or -inf filled where nothing is dropped, is
+    left out at every admitted length; the near misses (_KeepAll) keep theirs. Fused == eager either way."""
+    module = _KeepAll(form)
+    dims = ({0: Dim("b", max=8), 1: Dim("s", max=32)},)
+    graph = import_fx(torch.export.export(module, (_x(2, 6),), dynamic_shapes=dims))
+    report = run_passes(graph)
+    dropped = form in ("iota", "zeros", "filled")
+    assert (_sdpa_masks(graph) == [None]) == dropped, (_sdpa_masks(graph), report.refusals)
+    assert bool(report.edits.get("drop_keep_all_masks")) == dropped, report.edits
+    gm = to_torch_module(graph)
+    for b, s in ((1, 1), (3, 7), (2, 19)):
+        x = _x(b, s)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), module(x), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_a_decomposed_mask_that_keeps_everything_is_left_out() -> None:
+    """The same in a decomposed attention: Where(q >= 0, scores, -inf) keeps every score, so FusedAttention gets
+    no mask. Near misses: with q >= 1 it keeps its mask; a condition that keeps everything but has batch 2
+    against Q's 1 widens the scores to batch 2, so it stays, and that attention is refused."""
+
+    class M(nn.Module):
+        def __init__(self, first: int, batch: int = 1) -> None:
+            super().__init__()
+            self.first, self.batch = first, batch
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = _qkv(x)
+            i = torch.arange(x.shape[1])
+            w = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+            keep = (i >= self.first)[None, None, :, None].expand(self.batch, 1, -1, 1)
+            return (torch.where(keep, w, float("-inf")).softmax(-1) @ v).sum(1)
+
+    for first, batch in ((0, 1), (1, 1), (0, 2)):
+        module = M(first, batch)
+        graph = import_fx(torch.export.export(module, (_x(1, 6),), dynamic_shapes=({1: Dim("s", max=32)},)))
+        report = run_passes(graph)
+        fused = [n for n in graph.nodes if n.op == "FusedAttention"]
+        if batch == 2:
+            assert not fused and report.refusals, report.refusals
+        else:
+            assert len(fused) == 1 and (fused[0].inputs[3] is None) == (first == 0), fused
+        for s in (1, 7):
+            x = _x(1, s)
+            with torch.no_grad():
+                torch.testing.assert_close(to_torch_module(graph)(x), module(x), rtol=1e-5, atol=1e-6,
+                                           equal_nan=True)
+
+
 def test_a_mask_factor_that_drops_some_query_stays_in_the_mask() -> None:
     """Near miss of the encoder's split: padding And q >= 1 drops query 0's every key, so that factor does not
     keep everything and must stay: the mask input is the whole (b, 1, s, s) mask, and fused == eager."""

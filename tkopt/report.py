@@ -142,7 +142,7 @@ class Report:
                       + (f"  disabled: {', '.join(p.disabled)}" if p.disabled else ""))
         if not self.nodes:
             console.print(f"[yellow]no fusable pattern found in {self.source}[/yellow]: the output is the model "
-                          "re-emitted unchanged" + (" (near matches: --verbose)" if p.refusals else ""))
+                          "re-emitted without fusions" + (" (near matches: --verbose)" if p.refusals else ""))
         t = Table(title="fusions")
         for col in ("pass", "candidates", "fused"):
             t.add_column(col, justify="left" if col == "pass" else "right")

@@ -133,10 +133,12 @@ class _Rebuilder:
 
     # ---- IR nodes -------------------------------------------------------------------------------
     def emit_original(self, node: Node) -> None:
+        """The original fx node, reading the IR's inputs; an input a pass left out (an SDPA's mask that keeps
+        everything) is None there."""
         origin: fx.Node = node.origin
         subst = {
-            f: self.value(v) for f, v in zip(self.slots.get(node.name, ()), node.inputs, strict=False)
-            if f is not None and v is not None
+            f: None if v is None else self.value(v)
+            for f, v in zip(self.slots.get(node.name, ()), node.inputs, strict=False) if f is not None
         }
         new = self.new.node_copy(origin, lambda a: subst[a] if a in subst else self.copy_old(a))
         self.env[origin] = new

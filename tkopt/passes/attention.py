@@ -40,7 +40,7 @@ from tkopt.fused_ops import FLOAT_DTYPES
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
-from .masks import MaskAnalysis, aligned, magnitude_bound, prove_causal, split_mask
+from .masks import MaskAnalysis, aligned, keeps_all, magnitude_bound, prove_causal, split_mask
 from .patterns import norm_axes, norm_axis
 from .pipeline import register
 from .shapes import LOCAL_EVALUATORS, Shape, ShapedIndex, as_int, einsum_terms, same
@@ -573,6 +573,8 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
     for t in terms:
         if t.mult <= 0:
             raise _Refuse(f"mask {t.value.name} is scaled by {t.mult:g} after it is applied: its fill changes sign")
+        if _changes_nothing(view, t.value, t.kind, shape):
+            continue
         proof = prove_causal(view.masks, t.value, t.kind, shape)
         split = None if proof is not None else split_mask(view.masks, t.value, t.kind, shape)
         if split is not None and split.causal and t.kind != "add" and t.fill * t.mult != -math.inf:
@@ -618,6 +620,12 @@ def _resolve_masks(view: _View, terms: list[_Term], shape: Shape | None, dtype: 
         out.scale_before = explicit[0].before
         out.mask_keeps = int(explicit[0].kind != "drop")
     return out
+
+
+def _changes_nothing(view: _View, m: Value, kind: str, scores: Shape | None) -> bool:
+    """Whether mask `m` (of `kind`) provably keeps every score at every admitted size and broadcasts into the
+    scores without widening them: leaving it out is then the same attention, and the maskless kernels run."""
+    return keeps_all(view.masks, m, kind) and _broadcast_problem(view, m, scores) is None
 
 
 def _negligible(view: _View, t: _Term, fill: float) -> bool:
@@ -1076,6 +1084,26 @@ def _near_miss(view: _View, sm: Node) -> str | None:
                     "Reshape (e.g. a scale applied after flattening)")
     ops = ", ".join(f"{n.op} {n.name}" for n in back)
     return f"Q·K^T reaches softmax through {ops}, a form the attention patterns do not take"
+
+
+@register("drop_keep_all_masks")
+def drop_keep_all_masks(graph: Graph, result: PassResult) -> None:
+    """Leave out an SDPA's mask where it provably keeps every score (`_changes_nothing`): transformers' encoders
+    (BERT, ViT, ...) called without attention_mask trace their mask as q >= 0 expanded to (b, 1, s, s), where
+    eager passes none. torch's masked kernels are slower (H100: BERT-base 16x512's masked cuDNN
+    attention under torch.compile 0.93 ms a call against eager's maskless 0.44; ViT-B/16's masked SDPA went to
+    inductor's fp32 math path). Before the fusion, so fused and unfused SDPA alike run maskless."""
+    view = _View(graph)
+    for n in graph.nodes:
+        if n.op != "ScaledDotProductAttention" or n.domain or len(n.inputs) < 4 or n.inputs[3] is None:
+            continue
+        q, k, _, mask = n.inputs[:4]
+        qs, ks = view.shapes.shape(q), view.shapes.shape(k)
+        if qs is None or ks is None or len(qs) != 4 or len(ks) != 4:
+            continue
+        if _changes_nothing(view, mask, "keep" if mask.dtype == "bool" else "add", (qs[0], qs[1], qs[2], ks[2])):
+            n.inputs[3] = None
+            result.changed += 1
 
 
 @register("attention", fusion=True)

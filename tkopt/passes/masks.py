@@ -658,6 +658,19 @@ def keeps_everywhere(ma: MaskAnalysis, v: Value, kind: str) -> bool:
     return all(bool(fn.values[k]) == (kind == "keep") for k in regions)
 
 
+def keeps_all(ma: MaskAnalysis, v: Value, kind: str) -> bool:
+    """Whether mask `v` (kind as in prove_causal) changes no score at any admitted size: a bool mask that keeps
+    everywhere (keeps_everywhere), or an additive one that is 0 everywhere, uniformly or as a bool mask that
+    keeps everywhere (bool_of_additive). transformers' encoders trace such a mask (q >= 0, expanded) where
+    their eager call passes none."""
+    if kind != "add":
+        return keeps_everywhere(ma, v, kind)
+    if _uniform(ma, v) == 0.0:
+        return True
+    found = bool_of_additive(ma, v)
+    return found is not None and keeps_everywhere(ma, *found)
+
+
 @dataclass(frozen=True)
 class Split:
     """A mask as causality (`causal`) and one bool mask (`rest`, of kind "keep" or "drop") that together keep
