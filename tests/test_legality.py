@@ -28,6 +28,7 @@ from tkopt.frontends.fx import import_fx
 from tkopt.frontends.onnx import import_onnx
 from tkopt.onnx_runtime_ref import run_model
 from tkopt.passes.pipeline import run_passes
+from tkopt.targets.torch_target import capture_values, replaced_module
 
 H, D = 2, 8
 HID = H * D
@@ -605,9 +606,17 @@ def test_hf_encoder_mask_that_keeps_everything_is_left_out(model_type: str, fuse
     masks = _sdpa_masks(graph)
     assert masks == [None], masks
     assert any(n.op == "FusedAttention" for n in graph.nodes) == fuse
+    # what runs unfused, and what selection times a fusion against, is SDPA without the mask
+    sdpa_op = torch.ops.aten.scaled_dot_product_attention.default
     gm = to_torch_module(graph)
-    sdpa = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
-    assert fuse or (len(sdpa) == 1 and sdpa[0].args[3] is None), [n.args for n in sdpa]
+    if fuse:
+        [n] = [n for n in graph.nodes if n.op == "FusedAttention"]
+        gm_tiny, args = replaced_module(graph, n, capture_values(graph.meta["fx_module"], [n], (make(2, 9),)))
+        [call] = gm_tiny.graph.find_nodes(op="call_function", target=sdpa_op)
+        assert call.args[3] is None and len(args) == 3, (call.args, len(args))
+    else:
+        [call] = gm.graph.find_nodes(op="call_function", target=sdpa_op)
+        assert call.args[3] is None, call.args
     for b, s in ((1, 1), (3, 7), (2, 37)):
         x = make(b, s)
         with torch.no_grad():

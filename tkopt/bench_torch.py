@@ -138,7 +138,7 @@ def torch_node_rows(graph: Graph, example_inputs: Sequence[Any], timer: Callable
             rows.append(row)
             try:
                 ins = [None if v is None else input_tensor(v, values, device) for v in n.inputs]
-                tiny, tiny_args = replaced_module(gm, n, values)
+                tiny, tiny_args = replaced_module(graph, n, values)
             except ValueError as e:
                 row.note = f"inputs not captured ({e}); not measured"
                 continue

@@ -22,7 +22,7 @@ from torch import fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx.proxy import GraphAppendingTracer
 
-from tkopt.frontends.fx import node_val
+from tkopt.frontends.fx import node_val, slot_values
 from tkopt.frontends.layout_copies import restride
 from tkopt.fused_ops import schema
 from tkopt.ir import Graph, Node, Value
@@ -133,13 +133,9 @@ class _Rebuilder:
 
     # ---- IR nodes -------------------------------------------------------------------------------
     def emit_original(self, node: Node) -> None:
-        """The original fx node, reading the IR's inputs; an input a pass left out (an SDPA's mask that keeps
-        everything) is None there."""
+        """The original fx node, reading the IR's inputs (None where a pass left one out: `slot_values`)."""
         origin: fx.Node = node.origin
-        subst = {
-            f: None if v is None else self.value(v)
-            for f, v in zip(self.slots.get(node.name, ()), node.inputs, strict=False) if f is not None
-        }
+        subst = {f: None if v is None else self.value(v) for f, v in slot_values(node, self.slots).items()}
         new = self.new.node_copy(origin, lambda a: subst[a] if a in subst else self.copy_old(a))
         self.env[origin] = new
         if len(node.outputs) == 1 and node.outputs[0].origin is origin:

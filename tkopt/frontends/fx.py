@@ -46,6 +46,12 @@ def node_val(node: fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("example_value"))
 
 
+def slot_values(node: Node, slots: dict[str, tuple[fx.Node | None, ...]]) -> dict[fx.Node, Value | None]:
+    """Each fx.Node argument of `node`'s origin (`slots`: the graph's "fx_slots") with the IR value now in its
+    slot; None where a pass left that input out (an SDPA mask that keeps every score), so it reads as None."""
+    return {f: v for f, v in zip(slots.get(node.name, ()), node.inputs, strict=False) if f is not None}
+
+
 def _dim(d: Any) -> int | str:
     if isinstance(d, torch.SymInt):
         known = d.node.maybe_as_int()  # specialised since the value was recorded

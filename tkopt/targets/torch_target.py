@@ -53,7 +53,7 @@ from torch import fx
 from tkopt.backends import inductor
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
-from tkopt.frontends.fx import node_val
+from tkopt.frontends.fx import node_val, slot_values
 from tkopt.fused_ops import run_kernel, schema, use_kernels
 from tkopt.input_sizes import (
     CheckedRun,
@@ -302,11 +302,11 @@ class TorchTarget(Target):
                 m = Measured(n)
                 for i, size in enumerate(sizes):
                     at = values(i)
-                    if at is not None and not self._measure(gm, n, at, wins, size.label, m):
+                    if at is not None and not self._measure(graph, n, at, wins, size.label, m):
                         break
                 yield m
 
-    def _measure(self, gm: fx.GraphModule, n: Node, values: Mapping[fx.Node, Any], wins: Wins, label: str,
+    def _measure(self, graph: Graph, n: Node, values: Mapping[fx.Node, Any], wins: Wins, label: str,
                  m: Measured) -> bool:
         """`n` at one size (`values`: what the graph computes there; `label`: how it is named) against its
         replaced nodes run eagerly; with inductor, then against inductor's code for them, but only if the
@@ -315,7 +315,7 @@ class TorchTarget(Target):
         the timings to `m` (or the error); returns whether `n` won at this size."""
         try:
             ins = [None if v is None else input_tensor(v, values, self.device) for v in n.inputs]
-            tiny, tiny_args = replaced_module(gm, n, values)
+            tiny, tiny_args = replaced_module(graph, n, values)
             d = schema(n.op)
             attrs = attr_args(n.op, n.attrs)
             op = CUSTOM_OPS[n.op]
@@ -533,9 +533,11 @@ def capture_values(gm: fx.GraphModule, nodes: list[Node], flat_inputs: Sequence[
     return interp.got
 
 
-def replaced_module(gm: fx.GraphModule, n: Node, env: Mapping[fx.Node, Any]) -> tuple[fx.GraphModule, list[Any]]:
-    """The fx nodes `n` replaced, copied into a GraphModule returning `n`'s outputs; and its arguments
-    (the captured values of the outer nodes they read). Raises ValueError if a node has no fx origin."""
+def replaced_module(graph: Graph, n: Node, env: Mapping[fx.Node, Any]) -> tuple[fx.GraphModule, list[Any]]:
+    """The fx nodes fused node `n` of `graph` replaced, copied into a GraphModule returning `n`'s outputs, each
+    reading what its IR node reads (an input a pass left out as None: `slot_values`); and its arguments (the
+    captured values of the outer nodes they read). Raises ValueError if a node has no fx origin."""
+    gm: fx.GraphModule = graph.meta["fx_module"]
     g = fx.Graph()
     new: dict[fx.Node, fx.Node] = {}
     root: dict[str, Any] = {}
@@ -554,7 +556,8 @@ def replaced_module(gm: fx.GraphModule, n: Node, env: Mapping[fx.Node, Any]) -> 
     for r in n.replaced:
         if not isinstance(r.origin, fx.Node):
             raise ValueError(f"{n.name}: replaced node {r.name} has no fx origin")
-        new[r.origin] = g.node_copy(r.origin, arg)
+        gone = {f for f, v in slot_values(r, graph.meta["fx_slots"]).items() if v is None}
+        new[r.origin] = g.node_copy(r.origin, lambda a, gone=gone: None if a in gone else arg(a))
         for v in r.outputs:  # multi-output nodes: each output is an operator.getitem of the original
             if isinstance(v.origin, fx.Node) and v.origin is not r.origin:
                 new[v.origin] = g.node_copy(v.origin, arg)
