@@ -226,6 +226,29 @@ class FinfoCausal(nn.Module):
         return _attend(q @ k.transpose(-1, -2) * D**-0.5 + causal, v)
 
 
+class _KeepAll(nn.Module):
+    """SDPA under a mask of form `form`: "iota" keeps where q >= 0 (everything), "zeros" adds zeros, "filled"
+    adds masked_fill(zeros, q < 0, -inf) (everything kept): each changes no score. Near misses: "iota1" keeps
+    q >= 1 (query 0 sees no key), "ones" adds ones (a bias, though one softmax cancels)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x)
+        s = x.shape[1]
+        i = torch.arange(s)
+        rows = (i >= (1 if self.form == "iota1" else 0))[None, None, :, None].expand(x.shape[0], 1, s, s)
+        if self.form in ("iota", "iota1"):
+            mask = rows
+        elif self.form == "filled":
+            mask = torch.zeros(s, s).masked_fill((i < 0)[:, None], float("-inf"))
+        else:
+            mask = (torch.zeros if self.form == "zeros" else torch.ones)(s, s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+
+
 # ---- cases -------------------------------------------------------------------------------------------
 def _x(b: int, s: int) -> torch.Tensor:
     return torch.randn(b, s, HID)
@@ -291,6 +314,13 @@ CASES = {
                                    CROSS, ALL, {"causal": 1}, mask_input=False, sizes=(1, 7, 20)),
     "kv_cache_bottom_right": Case(BottomRight, lambda b, s: (_x(b, s), _x(b, s + 4)), CROSS, ("fx", "dynamo"),
                                   {"causal": 0}, mask_input=True, sizes=(1, 7, 30)),
+    # a mask that keeps every score is left out; one that drops query 0's keys stays
+    "keep_all_iota": Case(lambda: _KeepAll("iota"), lambda b, s: (_x(b, s),), XS, ALL, {"causal": 0},
+                          mask_input=False),
+    "keep_all_filled": Case(lambda: _KeepAll("filled"), lambda b, s: (_x(b, s),), XS, ALL, {"causal": 0},
+                            mask_input=False),
+    "keep_from_1": Case(lambda: _KeepAll("iota1"), lambda b, s: (_x(b, s),), XS, ALL, {"causal": 0},
+                        mask_input=True, sizes=(1, 11)),
     "finfo_causal_alone": Case(FinfoCausal, lambda b, s: (_x(b, s),), XS, ALL, {"causal": 1}, mask_input=False),
     "finfo_causal_beside_padding": Case(
         FinfoCausalPlusPadding, lambda b, s: (_x(b, s), torch.where(_keep(b, s), 0.0, F32_MIN)),
@@ -636,29 +666,6 @@ def test_the_backends_encoder_mask_that_keeps_everything_is_left_out() -> None:
         torch.testing.assert_close(torch.compile(model, backend=backend)(x)[0], model(x)[0], rtol=1e-4, atol=1e-5)
     [n] = [n for n in backend.graph_modules[-1].graph.nodes if "fused_attention" in str(n.target)]
     assert n.args[3] is None, n.args
-
-
-class _KeepAll(nn.Module):
-    """SDPA under a mask of form `form`: "iota" keeps where q >= 0 (everything), "zeros" adds zeros, "filled"
-    adds masked_fill(zeros, q < 0, -inf) (everything kept): each changes no score. Near misses: "iota1" keeps
-    q >= 1 (query 0 sees no key), "ones" adds ones (a bias, though one softmax cancels)."""
-
-    def __init__(self, form: str) -> None:
-        super().__init__()
-        self.form = form
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = _qkv(x)
-        s = x.shape[1]
-        i = torch.arange(s)
-        rows = (i >= (1 if self.form == "iota1" else 0))[None, None, :, None].expand(x.shape[0], 1, s, s)
-        if self.form in ("iota", "iota1"):
-            mask = rows
-        elif self.form == "filled":
-            mask = torch.zeros(s, s).masked_fill((i < 0)[:, None], float("-inf"))
-        else:
-            mask = (torch.zeros if self.form == "zeros" else torch.ones)(s, s)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
 
 
 @pytest.mark.parametrize("form", ["iota", "zeros", "filled", "iota1", "ones"])

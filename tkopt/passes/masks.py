@@ -649,23 +649,29 @@ def keeps_everywhere(ma: MaskAnalysis, v: Value, kind: str) -> bool:
     mask whose value is the same keep at every index combination it can reach (indices are >= 0, so a form
     with no negative coefficient reaches x >= 0 only). transformers' bidirectional masks And such a factor
     (q_idx >= 0) with the padding."""
-    fn = ma.fn(v)
+    values = _reachable(ma.fn(v))
+    return values is not None and all(bool(x) == (kind == "keep") for x in values)
+
+
+def _reachable(fn: Fn | None) -> list[Any] | None:
+    """The values a structural mask takes at the index combinations it can reach (indices are >= 0, so a form
+    with no negative coefficient reaches x >= 0 only); None where `fn` is no such mask."""
     if not isinstance(fn, Steps) or not fn.values:
-        return False
+        return None
     reach_from = 0 if all(c >= 0 for c in fn.coef) else None
-    regions = [k for k in range(len(fn.values))
-               if reach_from is None or k == len(fn.cuts) or fn.cuts[k] >= reach_from]  # fmt: skip
-    return all(bool(fn.values[k]) == (kind == "keep") for k in regions)
+    return [fn.values[k] for k in range(len(fn.values))
+            if reach_from is None or k == len(fn.cuts) or fn.cuts[k] >= reach_from]
 
 
 def keeps_all(ma: MaskAnalysis, v: Value, kind: str) -> bool:
     """Whether mask `v` (kind as in prove_causal) changes no score at any admitted size: a bool mask that keeps
-    everywhere (keeps_everywhere), or an additive one that is 0 everywhere, uniformly or as a bool mask that
-    keeps everywhere (bool_of_additive). transformers' encoders trace such a mask (q >= 0, expanded) where
-    their eager call passes none."""
+    everywhere (keeps_everywhere), or an additive one that is 0 at every index it can reach, itself or as a
+    bool mask that keeps everywhere (bool_of_additive). transformers' encoders trace such a mask (q >= 0,
+    expanded; torch's ONNX exporter makes it Where(that, 0, finfo.min)) where their eager call passes none."""
     if kind != "add":
         return keeps_everywhere(ma, v, kind)
-    if _uniform(ma, v) == 0.0:
+    values = _reachable(ma.fn(v))
+    if values is not None and all(float(x) == 0.0 for x in values):
         return True
     found = bool_of_additive(ma, v)
     return found is not None and keeps_everywhere(ma, *found)
