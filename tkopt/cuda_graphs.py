@@ -24,15 +24,11 @@ import torch
 import torch.utils._pytree as pytree
 
 
-def signature(flat: Sequence[Any], in_place: Callable[[torch.Tensor], bool] = lambda t: False) -> Hashable:
-    """What a captured graph depends on: every tensor's layout and device, every other value, grad modes.
-    Tensors `in_place` accepts (parameters a torch.compile backend is passed, hundreds of them, whose layouts
-    Dynamo's guards fix) count by position only: a captured graph checks their addresses itself."""
+def signature(flat: Sequence[Any]) -> Hashable:
+    """What a captured graph depends on: every tensor's layout and device, every other value, grad modes."""
     parts: list[Hashable] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     for x in flat:
-        if isinstance(x, torch.Tensor) and in_place(x):
-            parts.append("in place")
-        elif isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor):
             parts.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
         else:
             parts.append(("value", type(x).__name__, repr(x)))
