@@ -179,6 +179,9 @@ def _keep_mask(src: Source, p: str, o: dict, form: str) -> str | None:
         keep = f"{p}_i[:, None] >= {p}_i[None, :]"
         if mask == "band_arange":
             keep = f"({keep}) & ({p}_i[:, None] - {p}_i[None, :] < {s.window})"
+    elif mask in ("rows_all", "rows_from_1"):  # transformers' encoders trace q >= 0 (keeps every score)
+        src.fwd.append(f"{p}_i = torch.arange(S, device=h.device)")
+        keep = f"({p}_i >= {int(mask == 'rows_from_1')})[:, None].expand(S, S)"
     elif mask in ("causal_buffer", "band_buffer"):
         rule = "(i[:, None] >= i[None, :])"
         if mask == "band_buffer":

@@ -37,7 +37,7 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
         "sizes": ["input", "projection", "heads"],  # what B and S are read off
         "gqa": ["repeat_interleave", "expand_reshape", "enable_gqa"],  # only when kv_heads < heads
         "mask": ["none", "causal_flag", "causal_tril", "causal_triu", "causal_arange", "causal_buffer",
-                 "band_buffer", "band_arange", "tril_offset", "padding"],
+                 "band_buffer", "band_arange", "tril_offset", "padding", "rows_all", "rows_from_1"],
         "padding": [False, True],  # and the padding mask input, on top of `mask`
         "apply": ["bool", "additive", "additive_mul", "masked_fill", "where"],
         "fill": ["-inf", "-1e4", "min", "-1e9"],
