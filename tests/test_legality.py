@@ -596,17 +596,6 @@ def test_hf_encoder_padding_mask_reaches_the_kernel_as_key_padding() -> None:
     _check_padding_split(_Padded(tiny_model("bert", num_hidden_layers=1)).eval(), causal=0)
 
 
-class _IdsOnly(nn.Module):
-    """A transformers model called as most users first call it: input_ids (or pixel_values) alone."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)[0]
-
-
 def _sdpa_masks(graph: object) -> list[object]:
     """The mask input of every attention node left in `graph`: FusedAttention's and SDPA's."""
     return [n.inputs[3] for n in graph.nodes if n.op in ("FusedAttention", "ScaledDotProductAttention")]
@@ -619,18 +608,18 @@ def test_hf_encoder_mask_that_keeps_everything_is_left_out(model_type: str, fuse
     s), where eager passes none. It keeps every score at every
     size, so it is left out: FusedAttention, or the unfused SDPA (attention fusion disabled), runs without a
     mask (torch's maskless kernels), and the result equals eager at other batches and lengths."""
-    from tkopt.models.hf import tiny_model
+    from tkopt.models.hf import TensorsIn, tiny_model
 
     torch.manual_seed(0)
-    if model_type == "vit":
-        module = _IdsOnly(tiny_model("vit", image_size=16, patch_size=4, num_hidden_layers=1)).eval()
+    if model_type == "vit":  # called as most users first call them: pixel_values, or input_ids, alone
+        module = TensorsIn(tiny_model("vit", image_size=16, patch_size=4, num_hidden_layers=1), ["pixel_values"])
         make = lambda b, s: torch.randn(b, 3, 16, 16)  # noqa: E731 - s: the image has one size
-        dims: tuple = ({0: Dim("b", max=8)},)
+        dims: dict = {0: Dim("b", max=8)}
     else:
-        module = _IdsOnly(tiny_model("bert", num_hidden_layers=1)).eval()
+        module = TensorsIn(tiny_model("bert", num_hidden_layers=1), ["input_ids"])
         make = lambda b, s: torch.randint(1, 100, (b, s))  # noqa: E731
-        dims = ({0: Dim("b", max=8), 1: Dim("s", max=64)},)
-    graph = import_fx(torch.export.export(module, (make(2, 9),), dynamic_shapes=dims))
+        dims = {0: Dim("b", max=8), 1: Dim("s", max=64)}
+    graph = import_fx(torch.export.export(module, (make(2, 9),), dynamic_shapes=((dims,),)))  # *tensors
     report = run_passes(graph, disable=() if fuse else ["attention"])
     assert report.edits.get("drop_keep_all_masks") == 1, report.edits
     masks = _sdpa_masks(graph)

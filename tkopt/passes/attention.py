@@ -1001,11 +1001,10 @@ def _match_sdpa(view: _View, n: Node) -> _Match:
     scale = n.attrs.get("scale") or 0.0
     masks = _Masks(causal=int(bool(n.attrs.get("is_causal", 0))))
     if mask is not None:
-        qs, ks = view.shapes.shape(q), view.shapes.shape(k)
-        if qs is None or ks is None or len(qs) != 4 or len(ks) != 4:
+        scores = _sdpa_scores(view, n)
+        if scores is None:
             raise _Refuse(f"Q/K of {n.name} are not 4-D with known rank: cannot place the mask")
-        term = _Term("keep" if mask.dtype == "bool" else "add", mask, 0, -math.inf)
-        found = _resolve_masks(view, [term], (qs[0], qs[1], qs[2], ks[2]), q.dtype)
+        found = _resolve_masks(view, [_Term(_sdpa_mask_kind(mask), mask, 0, -math.inf)], scores, q.dtype)
         masks = replace(found, causal=found.causal | masks.causal)
     return _Match(
         nodes=[n],
@@ -1015,6 +1014,19 @@ def _match_sdpa(view: _View, n: Node) -> _Match:
         out=n.outputs[0], scale=float(scale) if scale > 0 else None, masks=masks, k_transposed=False,
         guard="masked",
     )
+
+
+def _sdpa_scores(view: _View, n: Node) -> Shape | None:
+    """SDPA node `n`'s scores shape (B, H, Sq, Skv) from its 4-D Q and K; None where either is not 4-D."""
+    qs, ks = view.shapes.shape(n.inputs[0]), view.shapes.shape(n.inputs[1])
+    if qs is None or ks is None or len(qs) != 4 or len(ks) != 4:
+        return None
+    return qs[0], qs[1], qs[2], ks[2]
+
+
+def _sdpa_mask_kind(mask: Value) -> str:
+    """How SDPA applies its mask: a bool one keeps where True, any other is added to the scores."""
+    return "keep" if mask.dtype == "bool" else "add"
 
 
 # ---- near misses the patterns do not reach ---------------------------------------------------------
@@ -1097,11 +1109,8 @@ def drop_keep_all_masks(graph: Graph, result: PassResult) -> None:
     for n in graph.nodes:
         if n.op != "ScaledDotProductAttention" or n.domain or len(n.inputs) < 4 or n.inputs[3] is None:
             continue
-        q, k, _, mask = n.inputs[:4]
-        qs, ks = view.shapes.shape(q), view.shapes.shape(k)
-        if qs is None or ks is None or len(qs) != 4 or len(ks) != 4:
-            continue
-        if _changes_nothing(view, mask, "keep" if mask.dtype == "bool" else "add", (qs[0], qs[1], qs[2], ks[2])):
+        mask, scores = n.inputs[3], _sdpa_scores(view, n)
+        if scores is not None and _changes_nothing(view, mask, _sdpa_mask_kind(mask), scores):
             n.inputs[3] = None
             result.changed += 1
 
