@@ -17,9 +17,13 @@ are not needed at these sizes: 8192^3 operands are 3 x 128 MB >> 50 MB L2):
    fp16: cuBLAS's matmul + bias alone (the floor of any epilogue), eager, torch.compile, cuBLASLt's fused
    epilogue (torch._addmm_activation; relu and gelu_tanh only), our tuned TileLang kernel, and what
    `gemm` runs (the faster of the last two, as timed by its tuning); ratios against torch.compile.
+7. (--persistent) the same projection shapes (PERSISTENT_SHAPES), fp16: each sm90 tuning candidate with one block
+   per tile against the same tiles in a persistent kernel (TileConfig.persistent = the SM count), beside cuBLAS's
+   matmul + bias and torch.compile; which schedule and tile is fastest per shape.
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -176,11 +180,68 @@ def epilogue_section() -> list[dict]:
     return [_epilogue_shape(*shape) for shape in EPILOGUE_SHAPES]
 
 
+# (model and layer, M, N, K, activation or None, bias, residual): the whole models' projections
+PERSISTENT_SHAPES = (
+    ("BERT 16x512 query/key/value", 8192, 768, 768, None, True, False),
+    ("BERT 16x512 intermediate", 8192, 3072, 768, "gelu", True, False),
+    ("BERT 16x512 output + residual", 8192, 768, 3072, None, True, True),
+    ("GPT-2 8x1024 c_attn", 8192, 2304, 768, None, True, False),
+    ("Llama 4x2048 q_proj", 8192, 2048, 2048, None, False, False),
+    ("Llama 4x2048 down_proj", 8192, 2048, 5632, None, False, False),
+    ("BERT 1x128 intermediate", 128, 3072, 768, "gelu", True, False),
+)
+
+
+def _persistent_shape(name, M, N, K, act, hb, hr, configs) -> dict:
+    """7. at one shape: the table and its row."""
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.float16) / K**0.5
+    b = torch.randn(N, device="cuda", dtype=torch.float16) if hb else None
+    r = torch.randn(M, N, device="cuda", dtype=torch.float16) if hr else None
+    f = TORCH_ACTS.get(act, lambda y: y)
+    compiled = torch.compile(lambda x, w, b, r: f(F.linear(x, w, b)) if r is None else f(F.linear(x, w, b)) + r)
+    variants = {"cuBLAS matmul (+ bias)": (lambda: torch.addmm(b, x, w.t())) if hb else (lambda: x @ w.t()),
+                "torch.compile": lambda: compiled(x, w, b, r)}
+    for c in configs:
+        label = f"{c.block_tile} s{c.stages}" + (" persistent" if c.persistent else "")
+        variants[label] = functools.partial(gemm_custom, x, w, c, b, act, r, True)
+    ref = compiled(x, w, b, r).float()
+    errs, times = {}, {}
+    for k, fn in variants.items():
+        try:
+            errs[k] = relerr(fn(), ref)
+            times[k] = ms(fn)
+        except Exception as exc:  # a candidate that fails to build or run is reported, not fatal
+            log(f"{name} {k}: {type(exc).__name__}: {str(exc)[:200]}")
+    log(f"\n| {name}: {M}x{N}x{K} {act or ''}{' +bias' if hb else ''}{' +residual' if hr else ''} fp16 | ms | "
+        "TFLOP/s | vs torch.compile | rel err |")
+    log("|---|---|---|---|---|")
+    for k, v in times.items():
+        log(f"| {k} | {v:.4f} | {2 * M * N * K / v / 1e9:.0f} | {times['torch.compile'] / v:.3f}x | "
+            f"{errs[k]:.1e} |")
+    return {"shape": name, "M": M, "N": N, "K": K, "act": act, "bias": hb, "residual": hr, "ms": times,
+            "rel_err": errs}
+
+
+def persistent_section() -> list[dict]:
+    """7.: every shape's candidates, one block per tile and persistent, timed in one run (module docstring)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cands = [TileConfig(**c) for c in TUNE_CANDIDATES["sm90"]]
+    configs = [c for base in cands for c in (base, dataclasses.replace(base, persistent=sms))]
+    keys = [("sm90", N, K, torch.float16, c, True, hb, act, hr, False, None)
+            for _, M, N, K, act, hb, hr in PERSISTENT_SHAPES for c in configs]
+    t = time.time()
+    failed = {k: e for k, (_, e) in precompile(keys).items() if e}
+    log(f"precompiled {len(keys)} kernels in {time.time() - t:.0f} s; {len(failed)} failed")
+    return [_persistent_shape(*shape, configs) for shape in PERSISTENT_SHAPES]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--fp32", action="store_true", help="only the fp32 precision comparison (section 5)")
     ap.add_argument("--epilogues", action="store_true", help="only the projection shapes' epilogues (section 6)")
+    ap.add_argument("--persistent", action="store_true", help="only one block per tile against persistent (section 7)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -192,13 +253,17 @@ def main():
         with open(os.path.join(args.out, "bench_gemm_fp32.txt"), "w") as f:
             f.write("\n".join(LINES) + "\n")
         return
-    if args.epilogues:
-        rows = epilogue_section()
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_gemm_epilogues.json"), "w") as f:
-            json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-        return
+    for flag, section, name in ((args.epilogues, epilogue_section, "epilogues"),
+                                (args.persistent, persistent_section, "persistent")):
+        if flag:
+            rows = section()
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"bench_gemm_{name}.json"), "w") as f:
+                json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+                           "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            with open(os.path.join(args.out, f"bench_gemm_{name}.md"), "w") as f:
+                f.write("\n".join(LINES) + "\n")
+            return
 
     # ---------------- 1. linear + bias + gelu_tanh, 8192^3 fp16
     M = N = K = 8192

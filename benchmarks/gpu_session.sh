@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh bench  OUTDIR   # gemm, attention, norm/softmax/conv, model benchmarks
 #                                                   # (BENCHES=gemm_fp32: the fp32 precision comparison only;
 #                                                   # gemm_epilogues: the projection shapes' epilogues only;
+#                                                   # gemm_persistent: one block per tile against persistent;
 #                                                   # attention_short: the whole models' attention nodes, SHORT_ARGS)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
 # WHOLE_TIMEOUT; tuning: benchmarks/tuning_db.py, the shipped tuning winners into tkopt/kernels/tuned/, with TUNING_ARGS,
@@ -46,6 +47,7 @@ case "$phase" in
         gemm) timeout 120 python benchmarks/bench_gemm.py --out "$out" ;;
         gemm_fp32) timeout 150 python benchmarks/bench_gemm.py --fp32 --out "$out" ;;
         gemm_epilogues) timeout 200 python benchmarks/bench_gemm.py --epilogues --out "$out" ;;
+        gemm_persistent) timeout 300 python benchmarks/bench_gemm.py --persistent --out "$out" ;;
         whole) timeout "${WHOLE_TIMEOUT:-500}" python benchmarks/whole_models.py --out "$out" ${WHOLE_ARGS:-} ;;
         tuning) timeout "${TUNING_TIMEOUT:-400}" python benchmarks/tuning_db.py ${TUNING_ARGS:-} ;;
         compile) timeout "${COMPILE_TIMEOUT:-500}" python benchmarks/compile_time.py --out "$out" ${COMPILE_ARGS:-} ;;

@@ -279,6 +279,12 @@ SMEM_CASES = [
                  None, id="sm90-simt-bf16-gated"),
     pytest.param("sm80", "float16", "ieee", TileConfig((128, 64, 32), stages=3), True, False, None,
                  id="sm80-mma-fp16-gated"),
+    pytest.param("sm90", "float16", "ieee", TileConfig((128, 128, 64), stages=4, threads=256, persistent=132), False,
+                 True, None, id="sm90-persistent-c-staging-beside-the-loop"),
+    pytest.param("sm80", "bfloat16", "ieee", TileConfig((128, 128, 32), threads=256, persistent=108), False, True,
+                 None, id="sm80-persistent"),
+    pytest.param("sm90", "float16", "ieee", TileConfig((128, 256, 64), threads=256, persistent=132), False, True,
+                 None, id="sm90-persistent-stages-that-fit"),
     pytest.param("sm80", "float32", "tf32", TileConfig((128, 64, 32), threads=128), False, True, None,
                  id="sm80-tf32"),
     pytest.param("sm80", "float32", "ieee", TileConfig((128, 128, 16), threads=256, use_tensorcore=False), False,
@@ -462,6 +468,12 @@ NVCC_CASES = {
     "sm90-gated-silu": ("sm90", dict(N=4096, K=2048, dtype="float16",
                                      config=default_config("sm90", "float16", accumulators=2),
                                      b_transposed=True, has_bias=True, act="silu", gated=True)),
+    "sm90-persistent-gelu-residual": ("sm90", dict(N=3072, K=768, dtype="float16",
+                                                   config=TileConfig((128, 256, 64), threads=256, persistent=132),
+                                                   b_transposed=True, has_bias=True, act="gelu", has_residual=True)),
+    "sm80-persistent-gated-bf16": ("sm80", dict(N=4096, K=2048, dtype="bfloat16",
+                                                config=TileConfig((128, 128, 32), threads=256, persistent=108),
+                                                b_transposed=True, has_bias=False, act="silu", gated=True)),
     "sm80-gated-gelu-fp32": ("sm80", dict(N=512, K=256, dtype="float32", precision="tf32",
                                           config=default_config("sm80", "float32", accumulators=2, precision="tf32"),
                                           b_transposed=True, has_bias=False, act="gelu", gated=True)),
@@ -563,6 +575,21 @@ SIMT_GPU_CASES = [
     (torch.bfloat16, 300, 384, 256, True, "silu", True, False, True,
      TileConfig((64, 128, 32), threads=256, use_tensorcore=False)),
 ]
+# Persistent kernels (TileConfig.persistent resident blocks walking the tiles), same fields as SIMT_GPU_CASES: fewer
+# blocks than tiles (several tiles a block, column tiles not a multiple of the panel), more blocks than tiles (some
+# blocks get none), ragged M, N and K, gated, and fp32's three-product split.
+PERSISTENT_GPU_CASES = [
+    (torch.float16, 1000, 520, 264, True, "gelu", True, True, False,
+     TileConfig((128, 256, 64), threads=256, persistent=7)),
+    (torch.bfloat16, 4100, 768, 512, False, None, False, True, False,
+     TileConfig((128, 128, 64), threads=256, persistent=132)),
+    (torch.float16, 1, 1000, 1024, True, "silu", True, False, False,
+     TileConfig((64, 128, 64), threads=128, persistent=132)),
+    (torch.float16, 300, 384, 256, True, "silu", True, False, True,
+     TileConfig((128, 128, 64), threads=256, persistent=5)),
+    (torch.float32, 333, 520, 264, True, "gelu_tanh", True, True, False,
+     TileConfig((128, 128, 32), threads=256, persistent=3)),
+]
 FP32_ACCURACY_CONFIGS = {  # fp32 kernels at "highest", measured against cuBLAS at M=N=K=1024
     "tf32x3": lambda arch: TileConfig((128, 128, 32), threads=256),  # stages: the most that fit on the arch
     "simt": lambda arch: TileConfig((128, 128, 16), threads=256, use_tensorcore=False),
@@ -594,7 +621,7 @@ def gpu_precompiled():
             M, N, K = GATED_MNK
             for act, hb, wt in GATED_GPU_CASES:
                 keys.append(_gemm_key(arch, dt, M, N, K, wt, act, hb, False, True))
-        for dt, M, N, K, bt, act, hb, hr, gated, cfg in SIMT_GPU_CASES:
+        for dt, M, N, K, bt, act, hb, hr, gated, cfg in SIMT_GPU_CASES + PERSISTENT_GPU_CASES:
             keys.append(_gemm_key(arch, dt, M, N, K, bt, act, hb, hr, gated, cfg))
         keys.append(_gemm_key(arch, torch.float32, *GEMM_GPU_CASES[0], False, precision="tf32"))
         for make in FP32_ACCURACY_CONFIGS.values():
@@ -664,6 +691,21 @@ def test_gated_mlp_gpu(arch, dtype, act, has_bias, wt, monkeypatch, gpu_precompi
 def test_simt_gpu(arch, case, gpu_precompiled):
     """use_tensorcore=False: the CUDA-core kernel on odd shapes (M, N, K not multiples of the tile), every
     output element written (NaN-poisoned out), for each dtype, plain and gated."""
+    _check_custom_config(arch, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+@pytest.mark.parametrize("case", PERSISTENT_GPU_CASES,
+                         ids=lambda c: f"{str(c[0])[6:]}-{c[1]}x{c[2]}x{c[3]}-{c[9].persistent}blocks")
+def test_persistent_gpu(arch, case, gpu_precompiled):
+    """Persistent kernels: every output tile written exactly by its own block's walk (NaN-poisoned out), whether
+    a block gets several tiles, one or none."""
+    _check_custom_config(arch, case)
+
+
+def _check_custom_config(arch, case):
+    """One (dtype, M, N, K, b_transposed, act, bias, residual, gated, config) case against float64."""
     if not _gpu_arch_ok(arch):
         pytest.skip(f"no {arch} GPU")
     dtype, M, N, K, bt, act, hb, hr, gated, cfg = case
@@ -804,7 +846,7 @@ def test_gemm_chooses_the_library_epilogue_by_timing(tmp_path, monkeypatch):
     gemm(a, w, bias, "gelu_tanh", b_transposed=True, arch="sm90")
     assert not (tmp_path / tuning.file_name("gemm_library", "sm90")).exists()
     _close(gemm(a, w, bias, "gelu_tanh", b_transposed=True).double(), ref, 1e-2)
-    entry = next(iter(tuning._read(str(tmp_path / tuning.file_name("gemm_library", "sm90"))).values()))
+    entry = next(iter(tuning.read_json(str(tmp_path / tuning.file_name("gemm_library", "sm90"))).values()))
     timings = {c["kernel"]: t for c, t in entry["timings"]}
     assert set(timings) == {"tilelang", "cublaslt"} and all(t > 0 for t in timings.values()), timings
     assert entry["config"]["kernel"] == min(timings, key=timings.get)

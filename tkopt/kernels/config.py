@@ -83,6 +83,9 @@ class TileConfig:
     swizzle: L2 rasterization panel size (T.use_swizzle), 0 = row-major block order.
     stage_c: stage the output tile through shared memory for a wide (TMA / vector) store (tensor cores only;
         the SIMT kernel stores from registers).
+    persistent: 0: one block per output tile. n > 0: n resident blocks (one per SM: the GPU's SM count) each
+        walk tiles in turn, grouped in panels of `swizzle` column tiles, so that a block's loads for its next
+        tile overlap its last tile's epilogue and the grid has no partial last wave (tensor cores only).
 
     >>> from tkopt.kernels import TileConfig
     >>> cfg = TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True)
@@ -103,6 +106,7 @@ class TileConfig:
     use_tensorcore: bool = True
     swizzle: int = 8
     stage_c: bool = True
+    persistent: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "block_tile", tuple(int(x) for x in self.block_tile))
@@ -157,8 +161,9 @@ class TileConfig:
 
         T.Pipelined gives every tile written in the K loop `stages` buffers: A and B (one B per accumulator),
         and on sm90 also the tf32x3 split tiles (sm80 keeps one copy of those). The output tile staged for the
-        store (stage_c) is live only after the loop, so TileLang places it over the loop's buffers. SIMT rows
-        are padded by 16 bytes; its B tile is counted in the larger of its two layouts (B or B transposed)."""
+        store (stage_c) is live only after the loop, so TileLang places it over the loop's buffers, except in a
+        persistent kernel, where the next tile's loop follows it. SIMT rows are padded by 16 bytes; its B tile
+        is counted in the larger of its two layouts (B or B transposed)."""
         if self.stages is None:
             raise ValueError(f"{self.describe()}: stages is unset; validate(arch, dtype) sets it")
         e = _DTYPE_BYTES[dtype_name(dtype)]
@@ -173,7 +178,8 @@ class TileConfig:
         loop = self.stages * tiles
         if self.math(arch, dtype, precision) == "tf32x3":  # hi and lo copies of A and of each B
             loop += 2 * tiles * (self.stages if arch == "sm90" else 1)
-        return max(loop, bm * bn * e if self.stage_c else 0)
+        staged_c = bm * bn * e if self.stage_c else 0
+        return loop + staged_c if self.persistent else max(loop, staged_c)
 
     def with_stages(self, arch: str, dtype, accumulators: int = 1, precision: str = "ieee") -> TileConfig:
         """This config with `stages` set: as pinned, else the most (up to MAX_STAGES) whose shared memory fits
@@ -262,6 +268,8 @@ class TileConfig:
             return f"stages must be >= 1, got {self.stages}"
         if self.swizzle < 0:
             return f"swizzle must be >= 0, got {self.swizzle}"
+        if self.persistent < 0:
+            return f"persistent must be >= 0 (0: one block per tile), got {self.persistent}"
         if arch == "cpu":
             return None if dt in ("float32", "float64") else "the cpu variant supports float32 and float64"
         if dt not in ("float16", "bfloat16", "float32"):
@@ -270,6 +278,8 @@ class TileConfig:
             return f"threads must be a positive multiple of 32 and <= 1024, got {self.threads}"
         if self.use_tensorcore:
             problem = self._tensorcore_problem(arch, dt)
+        elif self.persistent:
+            problem = "persistent applies to the tensor-core kernels, not SIMT (use_tensorcore=False)"
         else:
             problem, (_, _, wk, tm, tn) = self._simt_layout(dt)
             if problem is None:

@@ -161,7 +161,7 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
     acc_dt = "float32"
     b_shape = (N, K) if b_t else (K, N)
     bs_shape = (bn, bk) if b_t else (bk, bn)
-    stages, threads, swizzle, stage_c = cfg.stages, cfg.threads, cfg.swizzle, cfg.stage_c
+    stages, threads, swizzle, stage_c, persistent = cfg.stages, cfg.threads, cfg.swizzle, cfg.stage_c, cfg.persistent
 
     @T.macro
     def split_tile(src, hi, lo):
@@ -182,12 +182,61 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
             T.gemm(A_s, B_s, C_l, transpose_B=b_t, policy=policy)
 
     @T.macro
+    def tile(bx, by, A, B, B2, Bias, Bias2, R, C, A_s, B_s, B2_s, C_s, C_l, C_lo, C2_l, C2_lo, A_hi, A_lo, B_hi,
+             B_lo, B2_hi, B2_lo):
+        # one (bm, bn) output tile: clear, the pipelined K loop, the epilogue, the store
+        T.clear(C_l)
+        if split:
+            T.clear(C_lo)
+        if gated:
+            T.clear(C2_l)
+            if split:
+                T.clear(C2_lo)
+        for k in T.Pipelined(T.ceildiv(K, bk), num_stages=stages):
+            T.copy(A[by * bm, k * bk], A_s)
+            if b_t:
+                T.copy(B[bx * bn, k * bk], B_s)
+            else:
+                T.copy(B[k * bk, bx * bn], B_s)
+            if gated:
+                if b_t:
+                    T.copy(B2[bx * bn, k * bk], B2_s)
+                else:
+                    T.copy(B2[k * bk, bx * bn], B2_s)
+            mma(A_s, B_s, C_l, C_lo, A_hi, A_lo, B_hi, B_lo)
+            if gated:
+                mma(A_s, B2_s, C2_l, C2_lo, A_hi, A_lo, B2_hi, B2_lo)
+        if has_bias or act is not None or has_res or gated or split:
+            for i, j in T.Parallel(bm, bn):
+                C_l[i, j] = _epilogue(
+                    _tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j],
+                    (_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j]) if gated else None,
+                    Bias[bx * bn + j] if has_bias else None,
+                    Bias2[bx * bn + j] if (has_bias and gated) else None,
+                    R[by * bm + i, bx * bn + j] if has_res else None,
+                    act,
+                    gated,
+                    acc_dt,
+                )
+        if stage_c:
+            T.copy(C_l, C_s)
+            T.copy(C_s, C[by * bm, bx * bn])
+        else:
+            T.copy(C_l, C[by * bm, bx * bn])
+
+    # persistent: that many resident blocks walk the tiles, so that the loads of a block's next tile start while
+    # it finishes the last one; else one block per tile. The walk goes in panels of `group` column tiles: a group
+    # that does not divide the column tiles pads each panel with empty slots, which unbalances the blocks' work.
+    grid = (persistent,) if persistent else (T.ceildiv(N, bn), T.ceildiv(M, bm))
+    group = max(g for g in range(1, max(swizzle, 1) + 1) if -(-N // bn) % g == 0)
+
+    @T.macro
     def body(A, B, B2, Bias, Bias2, R, C):
-        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=threads) as (bx, by):
+        with T.Kernel(*grid, threads=threads) as ids:
             A_s = T.alloc_shared((bm, bk), dtype)
             B_s = T.alloc_shared(bs_shape, dtype)
             C_l = T.alloc_fragment((bm, bn), acc_dt)
-            A_hi = A_lo = B_hi = B_lo = B2_hi = B2_lo = C_lo = C2_lo = C2_l = None
+            A_hi = A_lo = B_hi = B_lo = B2_s = B2_hi = B2_lo = C_lo = C2_lo = C2_l = C_s = None
             if split:
                 A_hi = T.alloc_shared((bm, bk), dtype)
                 A_lo = T.alloc_shared((bm, bk), dtype)
@@ -203,46 +252,20 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
                     C2_lo = T.alloc_fragment((bm, bn), acc_dt)
             if stage_c:
                 C_s = T.alloc_shared((bm, bn), dtype)
-            if swizzle > 0:
-                T.use_swizzle(panel_size=swizzle)
-            T.clear(C_l)
-            if split:
-                T.clear(C_lo)
-            if gated:
-                T.clear(C2_l)
-                if split:
-                    T.clear(C2_lo)
-            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=stages):
-                T.copy(A[by * bm, k * bk], A_s)
-                if b_t:
-                    T.copy(B[bx * bn, k * bk], B_s)
-                else:
-                    T.copy(B[k * bk, bx * bn], B_s)
-                if gated:
-                    if b_t:
-                        T.copy(B2[bx * bn, k * bk], B2_s)
-                    else:
-                        T.copy(B2[k * bk, bx * bn], B2_s)
-                mma(A_s, B_s, C_l, C_lo, A_hi, A_lo, B_hi, B_lo)
-                if gated:
-                    mma(A_s, B2_s, C2_l, C2_lo, A_hi, A_lo, B2_hi, B2_lo)
-            if has_bias or act is not None or has_res or gated or split:
-                for i, j in T.Parallel(bm, bn):
-                    C_l[i, j] = _epilogue(
-                        _tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j],
-                        (_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j]) if gated else None,
-                        Bias[bx * bn + j] if has_bias else None,
-                        Bias2[bx * bn + j] if (has_bias and gated) else None,
-                        R[by * bm + i, bx * bn + j] if has_res else None,
-                        act,
-                        gated,
-                        acc_dt,
-                    )
-            if stage_c:
-                T.copy(C_l, C_s)
-                T.copy(C_s, C[by * bm, bx * bn])
+            bufs = (A_s, B_s, B2_s, C_s, C_l, C_lo, C2_l, C2_lo, A_hi, A_lo, B_hi, B_lo, B2_hi, B2_lo)
+            if persistent:
+                # the tile's coordinates once per tile, in registers: left inline, every epilogue index repeats the
+                # walk's divisions by the (dynamic) row-tile count, and ptxas spills the unrolled epilogue
+                row = T.alloc_var("int32")
+                col = T.alloc_var("int32")
+                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group):
+                    row = by
+                    col = bx
+                    tile(col, row, A, B, B2, Bias, Bias2, R, C, *bufs)
             else:
-                T.copy(C_l, C[by * bm, bx * bn])
+                if swizzle > 0:
+                    T.use_swizzle(panel_size=swizzle)
+                tile(ids[0], ids[1], A, B, B2, Bias, Bias2, R, C, *bufs)
 
     return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
 
@@ -719,11 +742,24 @@ FP32_TUNE_CANDIDATES = {
 }
 
 
+def _persistent_beyond_one_wave(cand: dict, M: int, N: int, sms: int) -> dict:
+    """The 128x128 candidate as a persistent kernel where its grid (at M's tuning bucket) is more than one wave.
+    On an H100 (2026-12-06, benchmarks/bench_gemm.py --persistent) it ran 1.00-1.12x its one-block-per-tile
+    self at six 8192-row projections, where the 128x256 tiles ran 0.86-1.06x theirs; at one wave or less it
+    only adds the walk (BERT 1x128: 0.93x)."""
+    from .tuning import shape_bucket
+
+    if cand["block_tile"][:2] != (128, 128) or -(-shape_bucket(M) // 128) * -(-N // 128) <= sms:
+        return cand
+    return {**cand, "persistent": sms}
+
+
 def _candidate(cfg: TileConfig) -> dict:
     """A config as a tuning candidate: block_tile and the fields that differ from TileConfig's defaults."""
     defaults = TileConfig()
     d = {"block_tile": cfg.block_tile}
-    d.update({k: getattr(cfg, k) for k in ("warp_tile", "stages", "threads", "use_tensorcore", "swizzle", "stage_c")
+    d.update({k: getattr(cfg, k) for k in ("warp_tile", "stages", "threads", "use_tensorcore", "swizzle", "stage_c",
+                                           "persistent")
               if getattr(cfg, k) != getattr(defaults, k)})
     return d
 
@@ -742,6 +778,8 @@ def tuning_space(arch, M, N, dtype, gated=False, precision="ieee", sms=None) -> 
     if arch == "cpu" or M <= 64:
         return default, []
     space = FP32_TUNE_CANDIDATES[(arch, precision)] if dtype == torch.float32 else TUNE_CANDIDATES[arch]
+    if arch == "sm90" and dtype != torch.float32 and not gated and sms:
+        space = [_persistent_beyond_one_wave(c, M, N, sms) for c in space]
     cands = [c for c in space if _valid(c, arch, dtype, acc, precision)]
     if gated and dtype != torch.float32:
         cands = [c for c in cands if c["block_tile"][1] <= 128] + [
