@@ -135,6 +135,17 @@ def test_torch_cpu_measures_against_eager_and_reuses_the_decisions(cache_dir, mo
             torch.testing.assert_close(f(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
 
 
+def test_a_decision_measured_by_other_selection_code_is_measured_again(cache_dir, monkeypatch) -> None:
+    """Decisions are kept for the code that measured them: the same kernels timed another way (a baseline run
+    without the mask a pass left out, say) must not reuse what the old code decided."""
+    from tkopt import decisions
+
+    decisions.DecisionCache("test", {"device": "x"}).put(["node"], {"decision": "kept"})
+    assert decisions.DecisionCache("test", {"device": "x"}).get(["node"]) == {"decision": "kept"}
+    monkeypatch.setattr(decisions, "selection_sources", lambda: "edited")
+    assert decisions.DecisionCache("test", {"device": "x"}).get(["node"]) is None
+
+
 class _NoFusion(torch.nn.Module):
     """Nothing to fuse: the whole-graph comparison alone decides what calls run."""
 

@@ -4,7 +4,8 @@ Everything lives under `cache_dir()` (TKOPT_CACHE_DIR, default ~/.cache/tkopt; t
 cache is there too): measured-selection decisions (`select-<target>.json`), lowered ORT kernels and
 their compiled objects (`ort-kernels/`), ORT's headers. An entry is only valid for the `versions()`
 it was made with: tkopt's and TileLang's versions and a hash of the kernel and fused-op sources, so
-editing a kernel invalidates what was measured or compiled from it. Writes are atomic (a temporary
+editing a kernel invalidates what was measured or compiled from it; decisions also carry a hash of the
+sources that measure them (`selection_sources()`). Writes are atomic (a temporary
 file, then os.replace), and JSON files merge concurrent writers under a file lock.
 """
 
@@ -32,6 +33,15 @@ def versions() -> dict[str, str]:
 
     sources = sources_digest(*(Path(pkg.__file__).parent for pkg in (tkopt.kernels, tkopt.fused_ops)))
     return {"tkopt": installed_version("tkopt"), "tilelang": installed_version("tilelang"), "sources": sources}
+
+
+@functools.cache
+def selection_sources() -> str:
+    """A hash of the sources that measure and decide fusions (the targets, the pipeline, the timing): a decision
+    measured by other code, say against a baseline run another way, is measured again."""
+    import tkopt.targets
+
+    return sources_digest(Path(tkopt.targets.__file__).parent, Path(__file__).parent)
 
 
 def digest(*parts: Any) -> str:

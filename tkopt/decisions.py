@@ -3,7 +3,8 @@
 One JSON file per target in the tkopt cache (`select-<target>.json`, see tkopt.cache), mapping a key
 to what was measured and decided. A key holds everything the measurement depended on: the target's
 fingerprint (device, threads, runtime versions), `tkopt.cache.versions()` (an edited kernel is
-measured again), and the candidate's own key (op, attributes, what it replaced, input dtypes and shape
+measured again), `tkopt.cache.selection_sources()` (so is everything, after the code that measures changed),
+and the candidate's own key (op, attributes, what it replaced, input dtypes and shape
 buckets; or, for a whole graph, its structure and inputs).
 """
 
@@ -13,7 +14,7 @@ import json
 import warnings
 from typing import Any
 
-from tkopt.cache import JsonFile, cache_path, versions
+from tkopt.cache import JsonFile, cache_path, selection_sources, versions
 
 
 class DecisionCache:
@@ -22,7 +23,7 @@ class DecisionCache:
     def __init__(self, target: str, fingerprint: dict[str, Any]) -> None:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in target)
         self.file = JsonFile(cache_path(f"select-{safe}.json"))
-        self.fingerprint = {**fingerprint, **versions()}
+        self.fingerprint = {**fingerprint, **versions(), "selection": selection_sources()}
         self.entries = self.file.read()
 
     def _full(self, key: Any) -> str:
