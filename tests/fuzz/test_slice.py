@@ -26,6 +26,9 @@ SLICE = [(seed, "fx") for seed in FX_SEEDS] + [
     # fx-kernels 180 and onnx-script 92 above: kernel constants and fused ops' float attributes; fx 1047: a
     # -1e9 additive mask scaled after it is added, in float64, computed as S * c + M * c)
     (57, "fx"), (98, "fx"), (98, "onnx-dynamo"), (30, "onnx-dynamo"), (1047, "fx"),
+    # fx 3618 (campaign 2026-12-06 f): a query row that reaches a maskless SDPA as NaN, to which torch's CPU flash
+    # kernel gives 0 (FusedAttention's guard "sdpa")
+    (3618, "fx"), (3618, "fx-kernels"),
 ]
 # (seed, path) -> the open defect it shows; strict xfails
 KNOWN: dict[tuple[int, str], str] = {}

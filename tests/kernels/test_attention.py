@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import cuda_compile, lower_cuda
 
 from tkopt.kernels import attention as A
@@ -244,6 +245,41 @@ def test_cpu_guards_fully_masked_rows_and_nan(guard):
     assert out[0, :, 3].isnan().all() == (guard == "none") and (out[0, :, 3] == 0).all() == (guard != "none")
     assert out[0, 1, 2].isnan().all() == (guard != "nan")
     assert not out[0, 0, [0, 1, 2, 4, 5]].isnan().any() and not out[0, 1, [0, 1, 4, 5]].isnan().any()
+
+
+SDPA_NAN_CASES = {  # (layout, causal, kv heads, where the NaN goes, whether q's last dim is contiguous)
+    "q-row": ("bhsd", False, 4, "q", True),
+    "q-row-causal-gqa-bshd": ("bshd", True, 2, "q", True),
+    "q-row-not-contiguous": ("bhsd", False, 4, "q", False),  # eager's math fallback: NaN
+    "k-row": ("bhsd", True, 2, "k", True),  # a NaN score beside finite ones: NaN
+}
+
+
+@pytest.mark.parametrize("kernels", ["reference", "tilelang"])
+@pytest.mark.parametrize("case", list(SDPA_NAN_CASES))
+def test_sdpa_guard_gives_what_torchs_cpu_sdpa_gives(case, kernels):
+    """A FusedAttention that replaced torch's SDPA without a mask (guard "sdpa") matches eager's SDPA on the CPU
+    for NaN inputs: its flash kernel gives 0 for a query row whose every score is NaN, its math fallback (a last
+    dim that is not contiguous) NaN, and a NaN among finite scores is NaN either way (fuzz seed 3618)."""
+    from tkopt.fused_ops import schema
+
+    layout, causal, hkv, where, contiguous = SDPA_NAN_CASES[case]
+    torch.manual_seed(12)
+    q, k, v = _qkv(2, 4, hkv, 5, 5 if causal else 7, 8, dtype=torch.float64)
+    (q if where == "q" else k)[0, 1, 2] = float("nan")
+    if not contiguous:
+        q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != 4)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    attrs = {"causal": int(causal), "layout": layout, "guard": "sdpa"}
+    op = schema("FusedAttention")
+    run = op.kernel if kernels == "tilelang" else op.reference
+    (got,) = run(op.padded([q, k, v]), op.full_attrs(attrs))
+    if layout == "bshd":
+        got = got.transpose(1, 2)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert got.isnan().any() == (not contiguous or where == "k")
 
 
 def test_cpu_float64_mask_keeps_its_range():

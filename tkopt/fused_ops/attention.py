@@ -3,12 +3,13 @@
 Layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA). scale <= 0 means
 1/sqrt(head_dim). The mask broadcasts over (b, h, q, k): a float mask is added and the sum scaled by mask_scale
 (a graph's (S * a + M) * c: scale a, mask_scale c, in eager's order), a bool mask keeps where it equals
-mask_keeps and sets T to mask_fill elsewhere (finite
-fills stay finite). causal drops keys after the query (top-left). guard: what a row gives whose every T
-is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or holds a NaN ("nan": 0, as the dynamo
-exporter's Where(IsNaN(p), 0, p)). kept: the key-only mask's summary per batch row that the GPU kernel
-reads (`kernels.attention.kept_rows`, a function of the mask), which the torch backend derives once per graph
-for all the nodes that share a mask; the reference ignores it, the kernel computes it where it is absent.
+mask_keeps and sets T to mask_fill elsewhere (finite fills stay finite). causal drops keys after the query
+(top-left). guard: what a row gives whose every T is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or
+holds a NaN ("nan": 0, as the dynamo exporter's Where(IsNaN(p), 0, p)); "sdpa" (torch's SDPA without a mask) is
+"masked", and where torch's CPU flash kernel would run, a row whose every T is NaN or -inf gives 0, as that
+kernel does. kept: the key-only mask's summary per batch row that the GPU kernel reads
+(`kernels.attention.kept_rows`, a function of the mask), which the torch backend derives once per graph for all
+the nodes that share a mask; the reference ignores it, the kernel computes it where it is absent.
 Exact definition: kernels.reference.flash_attention_ref; docs/LEGALITY.md says which graphs map onto it and
 for which inputs.
 """
@@ -43,10 +44,12 @@ def _scale(attrs: dict[str, Any]) -> float | None:
     return None if scale <= 0 else scale
 
 
-def _semantics(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The attributes as the reference's and the kernel's keyword arguments (one spelling for both)."""
+def _semantics(attrs: dict[str, Any], kernel: bool = False) -> dict[str, Any]:
+    """The attributes as the reference's and the kernel's keyword arguments (one spelling for both). The kernels
+    run "sdpa" as "masked": `kernel` then zeroes the rows torch's CPU flash kernel zeroes."""
+    guard = "masked" if kernel and attrs["guard"] == "sdpa" else attrs["guard"]
     return dict(causal=bool(attrs["causal"]), scale=_scale(attrs), layout=attrs["layout"],
-                mask_scale=float(attrs["mask_scale"]), mask_fill=float(attrs["mask_fill"]), guard=attrs["guard"],
+                mask_scale=float(attrs["mask_scale"]), mask_fill=float(attrs["mask_fill"]), guard=guard,
                 mask_keeps=bool(attrs["mask_keeps"]))
 
 
@@ -70,11 +73,18 @@ def _check_precision(q: Tensor, on_gpu: bool) -> None:
 
 def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
     from tkopt import kernels
+    from tkopt.kernels import reference as ref
 
     q, k, v, mask, kept = ins
     if q is not None:
         _check_precision(q, q.is_cuda)
-    return [kernels.flash_attention(q, k, v, mask=mask, kept=kept, **_semantics(attrs))]
+    out = kernels.flash_attention(q, k, v, mask=mask, kept=kept, **_semantics(attrs, kernel=True))
+    if attrs["guard"] == "sdpa" and mask is None and ref.sdpa_flash_on_cpu(q, k, v) and out.isnan().any():
+        bshd = attrs["layout"] == "bshd"
+        q4, k4 = (t.transpose(1, 2) for t in (q, k)) if bshd else (q, k)
+        dead = ref.sdpa_dead_rows(q4, k4, bool(attrs["causal"]), _scale(attrs))
+        out = out.masked_fill(dead.transpose(1, 2) if bshd else dead, 0.0)
+    return [out]
 
 
 def _kept(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> Derivation | None:
@@ -94,7 +104,7 @@ def compiles(specs: Sequence[InputSpec], attrs: dict[str, Any], build: Build) ->
 
     q, k, v, mask, _ = meta_tensors(specs)
     _check_precision(q, build.arch != "cpu")
-    return planned_kernels(q, k, v, mask, build, **_semantics(attrs))
+    return planned_kernels(q, k, v, mask, build, **_semantics(attrs, kernel=True))
 
 
 def output_shapes(shapes: Sequence[Shape | None], attrs: dict[str, Any], broadcast: Broadcast) -> list[Shape | None]:
@@ -133,7 +143,9 @@ def program(node: Node, arch: str) -> ProgramSpec:
         bcast = tuple(d == 1 for d in padded)
         buffers["Mask"] = ("in", 3)
     buffers["Output"] = ("out", 0)
-    a = _semantics(node.attrs)
+    if node.attrs["guard"] == "sdpa" and arch == "cpu":
+        raise Unservable(f"{node.name}: torch SDPA's CPU result for NaN rows has no native CPU kernel")
+    a = _semantics(node.attrs, kernel=True)
     # The program's compile-time keys, in gpu_program / cpu_program order: the node's semantics exactly.
     args = (dtype, dim, hq, hkv, a["causal"], (layout,) * 4, mask_kind, bcast, a["scale"], a["mask_scale"],
             a["mask_fill"], a["guard"], a["mask_keeps"])

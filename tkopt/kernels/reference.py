@@ -73,7 +73,30 @@ def gated_mlp_ref(
     return (g * u).to(x.dtype)
 
 
-GUARDS = ("none", "masked", "nan")
+GUARDS = ("none", "masked", "nan", "sdpa")
+
+
+def sdpa_flash_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's SDPA, called without a mask on these CPU tensors (4-D, either layout: the head transpose
+    keeps the last stride), runs its flash kernel, which gives 0 for a query row whose every score is NaN or
+    -inf. Its math fallback (3-D inputs, a last dim that is not contiguous, flash switched off) gives NaN there,
+    as every CUDA backend does."""
+    return (q.device.type == "cpu" and q.dim() == 4 and all(t.stride(-1) == 1 for t in (q, k, v))
+            and torch.backends.cuda.flash_sdp_enabled())
+
+
+def sdpa_dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
+    """(B, Hq, Sq, 1), bhsd q and k: the query rows whose every score (scaled, causal keys dropped) is NaN or -inf,
+    to which torch's CPU flash SDPA gives 0."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril(),
+                          float("-inf"))
+    return (s.isnan() | (s == float("-inf"))).all(-1, keepdim=True)
 
 
 def flash_attention_ref(
@@ -103,12 +126,15 @@ def flash_attention_ref(
     whatever their score.
     guard: a row whose every T is -inf is NaN under plain softmax ("none"), 0 under SDPA's safe softmax
     ("masked"); "nan" zeroes every NaN probability (the dynamo exporter's Where(IsNaN(p), 0, p)), so rows
-    with a NaN or +inf score give 0 too. NaN and inf otherwise propagate as in eager (p @ v reads every key).
+    with a NaN or +inf score give 0 too; "sdpa" is torch's SDPA called without a mask: "masked", and where its
+    CPU flash kernel runs (`sdpa_flash_on_cpu`) a row whose every T is NaN or -inf gives 0. NaN and inf
+    otherwise propagate as in eager (p @ v reads every key).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if guard not in GUARDS:
         raise ValueError(f"guard must be one of {GUARDS}, got {guard!r}")
+    cpu_flash = guard == "sdpa" and mask is None and sdpa_flash_on_cpu(q, k, v)  # the inputs as SDPA gets them
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     hq, hkv = q.shape[1], k.shape[1]
@@ -129,7 +155,9 @@ def flash_attention_ref(
         keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    if guard == "masked":
+    if cpu_flash:
+        p = p.masked_fill(sdpa_dead_rows(q, k, causal, scale), 0.0)
+    elif guard in ("masked", "sdpa"):
         p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
     elif guard == "nan":
         p = p.masked_fill(p.isnan(), 0.0)
