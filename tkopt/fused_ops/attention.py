@@ -80,10 +80,7 @@ def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
         _check_precision(q, q.is_cuda)
     out = kernels.flash_attention(q, k, v, mask=mask, kept=kept, **_semantics(attrs, kernel=True))
     if attrs["guard"] == "sdpa" and mask is None and ref.sdpa_flash_on_cpu(q, k, v) and out.isnan().any():
-        bshd = attrs["layout"] == "bshd"
-        q4, k4 = (t.transpose(1, 2) for t in (q, k)) if bshd else (q, k)
-        dead = ref.sdpa_dead_rows(q4, k4, bool(attrs["causal"]), _scale(attrs))
-        out = out.masked_fill(dead.transpose(1, 2) if bshd else dead, 0.0)
+        out = out.masked_fill(ref.sdpa_dead_rows(q, k, bool(attrs["causal"]), _scale(attrs), attrs["layout"]), 0.0)
     return [out]
 
 

@@ -85,17 +85,34 @@ def sdpa_flash_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
             and torch.backends.cuda.flash_sdp_enabled())
 
 
-def sdpa_dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
-    """(B, Hq, Sq, 1), bhsd q and k: the query rows whose every score (scaled, causal keys dropped) is NaN or -inf,
-    to which torch's CPU flash SDPA gives 0."""
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
+def sdpa_dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, layout: str) -> torch.Tensor:
+    """The query rows (a size-1 last dim, in q's layout) whose every score, scaled and with the causal keys dropped,
+    is NaN or -inf: those torch's CPU flash SDPA gives 0."""
+    if layout == "bshd":
+        q, k = (t.transpose(1, 2) for t in (q, k))
+    s = _scaled_scores(q, _with_heads(k, q.shape[1]), scale)
+    dead = _nan_or_neg_inf_rows(_drop_later_keys(s) if causal else s)
+    return dead.transpose(1, 2) if layout == "bshd" else dead
+
+
+def _with_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """A bhsd key or value tensor with `heads` heads (GQA: kv head h // group serves query head h)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """q k^T * scale (1/sqrt(head_dim) by default), bhsd, accumulated in at least float32."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril(),
-                          float("-inf"))
+    return (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
+
+
+def _drop_later_keys(s: torch.Tensor) -> torch.Tensor:
+    """Scores with the keys after each query (top-left causal) at -inf."""
+    keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def _nan_or_neg_inf_rows(s: torch.Tensor) -> torch.Tensor:
     return (s.isnan() | (s == float("-inf"))).all(-1, keepdim=True)
 
 
@@ -140,23 +157,18 @@ def flash_attention_ref(
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
+    k, v = _with_heads(k, hq), _with_heads(v, hq)
+    s = _scaled_scores(q, k, scale)
     if mask is not None:
         if mask.dtype == torch.bool:
             s = s.masked_fill(mask != mask_keeps, mask_fill)
         else:
             s = (s + _acc(mask)) * mask_scale
     if causal:
-        sq, skv = s.shape[-2], s.shape[-1]
-        keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
+        s = _drop_later_keys(s)
     p = torch.softmax(s, dim=-1)
     if cpu_flash:
-        p = p.masked_fill(sdpa_dead_rows(q, k, causal, scale), 0.0)
+        p = p.masked_fill(_nan_or_neg_inf_rows(s), 0.0)
     elif guard in ("masked", "sdpa"):
         p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
     elif guard == "nan":
