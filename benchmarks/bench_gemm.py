@@ -17,9 +17,10 @@ are not needed at these sizes: 8192^3 operands are 3 x 128 MB >> 50 MB L2):
    fp16: cuBLAS's matmul + bias alone (the floor of any epilogue), eager, torch.compile, cuBLASLt's fused
    epilogue (torch._addmm_activation; relu and gelu_tanh only), our tuned TileLang kernel, and what
    `gemm` runs (the faster of the last two, as timed by its tuning); ratios against torch.compile.
-7. (--persistent) the same projection shapes (PERSISTENT_SHAPES), fp16: each sm90 tuning candidate with one block
-   per tile against the same tiles in a persistent kernel (TileConfig.persistent = the SM count), beside cuBLAS's
-   matmul + bias and torch.compile; which schedule and tile is fastest per shape.
+7. (--persistent) the same projection shapes (PERSISTENT_SHAPES), fp16: 128-row tiles 128, 192 and 256 wide, each
+   with TileLang's pipeline and the overlap pipeline (TileConfig.overlap), in the default and the full-row warp
+   layout, one block per tile and persistent (TileConfig.persistent = the SM count); at a few rows, 64-row tiles
+   (small_m_configs); beside cuBLAS's matmul + bias and torch.compile; which schedule and tile is fastest per shape.
 """
 
 import argparse
@@ -188,8 +189,11 @@ PERSISTENT_SHAPES = (
     ("GPT-2 8x1024 c_attn", 8192, 2304, 768, None, True, False),
     ("Llama 4x2048 q_proj", 8192, 2048, 2048, None, False, False),
     ("Llama 4x2048 down_proj", 8192, 2048, 5632, None, False, False),
+    ("BERT 1x128 query/key/value", 128, 768, 768, None, True, False),
     ("BERT 1x128 intermediate", 128, 3072, 768, "gelu", True, False),
+    ("BERT 1x128 output + residual", 128, 768, 3072, None, True, True),
 )
+SMALL_M = 512  # shapes of at most this many rows get small_m_configs
 
 
 def _persistent_shape(name, M, N, K, act, hb, hr, configs) -> dict:
@@ -203,7 +207,8 @@ def _persistent_shape(name, M, N, K, act, hb, hr, configs) -> dict:
     variants = {"cuBLAS matmul (+ bias)": (lambda: torch.addmm(b, x, w.t())) if hb else (lambda: x @ w.t()),
                 "torch.compile": lambda: compiled(x, w, b, r)}
     for c in configs:
-        label = f"{c.block_tile} s{c.stages}" + (" persistent" if c.persistent else "")
+        label = (f"{c.block_tile} s{c.stages}" + (" full-row" if c.warp_tile else "")
+                 + (" overlap" if c.overlap else "") + (" persistent" if c.persistent else ""))
         variants[label] = functools.partial(gemm_custom, x, w, c, b, act, r, True)
     ref = compiled(x, w, b, r).float()
     errs, times = {}, {}
@@ -223,17 +228,33 @@ def _persistent_shape(name, M, N, K, act, hb, hr, configs) -> dict:
             "rel_err": errs}
 
 
+def schedule_configs(sms: int) -> list[TileConfig]:
+    """7.'s configs: three sm90 tiles, each with TileLang's pipeline and with the overlap pipeline
+    (TileConfig.overlap), in TileLang's default warp layout and in the full-row one (each consumer warpgroup one
+    m64 x bn wgmma), one block per tile and persistent."""
+    tiles = [TileConfig((128, bn, 64), stages=4 if bn < 256 else 3, threads=256) for bn in (128, 192, 256)]
+    return [dataclasses.replace(t, warp_tile=w, overlap=o, persistent=p) for t in tiles
+            for w in (None, (16, t.bn)) for o in (False, True) for p in (0, sms)]
+
+
+def small_m_configs() -> list[TileConfig]:
+    """7.'s configs for a few rows, where 128-row tiles leave most SMs idle: 64-row tiles (one consumer
+    warpgroup) 64 to 256 wide and the 128x128 tile, with TileLang's pipeline and the overlap pipeline."""
+    tiles = [TileConfig((64, bn, 64), stages=4 if bn < 256 else 3, threads=128) for bn in (64, 128, 256)]
+    tiles.append(TileConfig((128, 128, 64), stages=4, threads=256))
+    return [dataclasses.replace(t, overlap=o) for t in tiles for o in (False, True)]
+
+
 def persistent_section() -> list[dict]:
     """7.: every shape's candidates, one block per tile and persistent, timed in one run (module docstring)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cands = [TileConfig(**c) for c in TUNE_CANDIDATES["sm90"]]
-    configs = [c for base in cands for c in (base, dataclasses.replace(base, persistent=sms))]
+    big = schedule_configs(torch.cuda.get_device_properties(0).multi_processor_count)
+    configs = {shape: small_m_configs() if shape[1] <= SMALL_M else big for shape in PERSISTENT_SHAPES}
     keys = [("sm90", N, K, torch.float16, c, True, hb, act, hr, False, None)
-            for _, M, N, K, act, hb, hr in PERSISTENT_SHAPES for c in configs]
+            for (_, M, N, K, act, hb, hr), cs in configs.items() for c in cs]
     t = time.time()
     failed = {k: e for k, (_, e) in precompile(keys).items() if e}
     log(f"precompiled {len(keys)} kernels in {time.time() - t:.0f} s; {len(failed)} failed")
-    return [_persistent_shape(*shape, configs) for shape in PERSISTENT_SHAPES]
+    return [_persistent_shape(*shape, cs) for shape, cs in configs.items()]
 
 
 def main():

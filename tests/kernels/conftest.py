@@ -38,17 +38,20 @@ _BUILD_DIR = tempfile.mkdtemp(prefix="tkopt_nvcc_")
 _BUILDS: dict[tuple[str, str, tuple[str, ...]], CudaBuild] = {}
 
 
-def lower_cuda(func, arch: str) -> str:
-    """CUDA C++ source of a `@T.prim_func` lowered for `arch` ("sm90" or "sm80")."""
+def lower_cuda(func, arch: str, pass_configs: dict | None = None) -> str:
+    """CUDA C++ source of a `@T.prim_func` lowered for `arch` ("sm90" or "sm80") with the program's own
+    `pass_configs` (gemm_epilogue.program_pass_configs)."""
     import tilelang
+    from tvm.ir.transform import PassContext
 
     target = target_of(arch)
-    with target:
+    with target, PassContext(config=pass_configs or {}):
         return tilelang.lower(func, target=target).kernel_source
 
 
-def lowered_smem(func, arch: str, device: str | None = None) -> int:
-    """Dynamic shared memory bytes a `@T.prim_func`'s kernel, lowered for `arch` (run on `device`), launches with."""
+def lowered_smem(func, arch: str, device: str | None = None, pass_configs: dict | None = None) -> int:
+    """Dynamic shared memory bytes a `@T.prim_func`'s kernel, lowered for `arch` (run on `device`) with the
+    program's own `pass_configs`, launches with."""
     import tilelang
     from tvm.ir.transform import PassContext
     from tvm.target import Target
@@ -56,7 +59,7 @@ def lowered_smem(func, arch: str, device: str | None = None) -> int:
     from tkopt.kernels.arch import run_pass_configs, run_target
 
     target = Target(run_target(arch, device)) if device else target_of(arch)
-    with target, PassContext(config=run_pass_configs(arch, device) if device else {}):
+    with target, PassContext(config={**(run_pass_configs(arch, device) if device else {}), **(pass_configs or {})}):
         art = tilelang.lower(func, target=target)
     (kernel,) = art.device_mod.functions.values()
     return int(kernel.attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in kernel.attrs else 0

@@ -24,6 +24,7 @@ from tkopt.kernels.gemm_epilogue import (
     gemm_custom,
     gemm_program,
     kernel_key,
+    program_pass_configs,
     select_config,
 )
 from tkopt.kernels.precision import matmul_precision
@@ -287,6 +288,10 @@ SMEM_CASES = [
                  None, id="sm90-persistent-stages-that-fit"),
     pytest.param("sm80", "float32", "tf32", TileConfig((128, 64, 32), threads=128), False, True, None,
                  id="sm80-tf32"),
+    pytest.param("sm90", "float16", "ieee", TileConfig((128, 128, 64), stages=4, threads=256, overlap=True), False,
+                 True, None, id="sm90-overlap-c-staging-beside-the-loop"),
+    pytest.param("sm90", "bfloat16", "ieee", TileConfig((128, 128, 64), threads=256, overlap=True, persistent=132),
+                 True, False, None, id="sm90-overlap-persistent-gated-stages-that-fit"),
     pytest.param("sm80", "float32", "ieee", TileConfig((128, 128, 16), threads=256, use_tensorcore=False), False,
                  True, None, id="sm80-simt-fp32"),
     # sm80's tf32x3 keeps one copy of the split tiles (lowering it takes TileLang about a minute)
@@ -303,7 +308,7 @@ def test_smem_estimate_is_what_the_lowered_kernel_allocates(arch, dtype, precisi
     acc = 2 if gated else 1
     staged = cfg.validate(arch, dtype, acc, precision)
     dynamic = lowered_smem(gemm_program(arch, 256, 256, dtype, cfg, b_transposed=bt, gated=gated,
-                                        precision=precision), arch, device)
+                                        precision=precision), arch, device, program_pass_configs(cfg))
     assert staged.smem_bytes(arch, dtype, acc, precision) == dynamic
     if cfg.stages is None:
         deeper = replace(staged, stages=staged.stages + 1)
@@ -474,6 +479,18 @@ NVCC_CASES = {
     "sm80-persistent-gated-bf16": ("sm80", dict(N=4096, K=2048, dtype="bfloat16",
                                                 config=TileConfig((128, 128, 32), threads=256, persistent=108),
                                                 b_transposed=True, has_bias=False, act="silu", gated=True)),
+    "sm90-overlap-gelu-residual": ("sm90", dict(N=768, K=3072, dtype="float16",
+                                                config=TileConfig((128, 128, 64), stages=4, threads=256,
+                                                                  warp_tile=(16, 128), overlap=True),
+                                                b_transposed=True, has_bias=True, act="gelu", has_residual=True)),
+    "sm90-overlap-persistent-gated-bf16": ("sm90", dict(N=4096, K=2048, dtype="bfloat16",
+                                                        config=TileConfig((128, 128, 64), threads=256, overlap=True,
+                                                                          persistent=132),
+                                                        b_transposed=False, has_bias=True, act="silu", gated=True)),
+    "sm90-overlap-persistent-wide": ("sm90", dict(N=2304, K=768, dtype="float16",
+                                                  config=TileConfig((128, 256, 64), stages=3, threads=256,
+                                                                    warp_tile=(16, 256), overlap=True, persistent=132),
+                                                  b_transposed=True, has_bias=True)),
     "sm80-gated-gelu-fp32": ("sm80", dict(N=512, K=256, dtype="float32", precision="tf32",
                                           config=default_config("sm80", "float32", accumulators=2, precision="tf32"),
                                           b_transposed=True, has_bias=False, act="gelu", gated=True)),
@@ -490,7 +507,7 @@ def test_nvcc_compiles(name, nvcc_builds):
     arch, kw = NVCC_CASES[name]
     kw = dict(kw)
     N, K, dtype, cfg = kw.pop("N"), kw.pop("K"), kw.pop("dtype"), kw.pop("config")
-    src = lower_cuda(gemm_program(arch, N, K, dtype, cfg, **kw), arch)
+    src = lower_cuda(gemm_program(arch, N, K, dtype, cfg, **kw), arch, program_pass_configs(cfg))
     if arch == "sm90":
         assert "wgmma" in src, "sm90 program did not lower to wgmma"
         assert "tma_load" in src, "sm90 program did not lower to TMA loads"
@@ -590,6 +607,19 @@ PERSISTENT_GPU_CASES = [
     (torch.float32, 333, 520, 264, True, "gelu_tanh", True, True, False,
      TileConfig((128, 128, 32), threads=256, persistent=3)),
 ]
+OVERLAP_GPU_CASES = [  # ragged M, N and K; one consumer warpgroup and two; more blocks than tiles and fewer
+    (torch.float16, 1000, 520, 264, True, "gelu", True, True, False,
+     TileConfig((128, 128, 64), stages=4, threads=256, warp_tile=(16, 128), overlap=True)),
+    (torch.bfloat16, 4100, 768, 512, False, None, False, True, False,
+     TileConfig((128, 256, 64), stages=3, threads=256, warp_tile=(16, 256), overlap=True, persistent=132)),
+    (torch.float16, 300, 384, 256, False, "silu", True, False, True,
+     TileConfig((128, 128, 64), threads=256, overlap=True, persistent=5)),
+    (torch.float16, 1, 1000, 1024, True, None, True, False, False,
+     TileConfig((64, 128, 64), threads=128, overlap=True)),
+    (torch.float16, 2048, 2304, 768, True, "gelu_tanh", True, False, False,
+     TileConfig((128, 192, 64), stages=4, threads=256, warp_tile=(16, 192), overlap=True, persistent=132,
+                stage_c=False)),
+]
 FP32_ACCURACY_CONFIGS = {  # fp32 kernels at "highest", measured against cuBLAS at M=N=K=1024
     "tf32x3": lambda arch: TileConfig((128, 128, 32), threads=256),  # stages: the most that fit on the arch
     "simt": lambda arch: TileConfig((128, 128, 16), threads=256, use_tensorcore=False),
@@ -621,7 +651,9 @@ def gpu_precompiled():
             M, N, K = GATED_MNK
             for act, hb, wt in GATED_GPU_CASES:
                 keys.append(_gemm_key(arch, dt, M, N, K, wt, act, hb, False, True))
-        for dt, M, N, K, bt, act, hb, hr, gated, cfg in SIMT_GPU_CASES + PERSISTENT_GPU_CASES:
+        for dt, M, N, K, bt, act, hb, hr, gated, cfg in SIMT_GPU_CASES + PERSISTENT_GPU_CASES + OVERLAP_GPU_CASES:
+            if cfg.problem(arch, str(dt)[6:], 2 if gated else 1) is not None:
+                continue
             keys.append(_gemm_key(arch, dt, M, N, K, bt, act, hb, hr, gated, cfg))
         keys.append(_gemm_key(arch, torch.float32, *GEMM_GPU_CASES[0], False, precision="tf32"))
         for make in FP32_ACCURACY_CONFIGS.values():
@@ -702,6 +734,36 @@ def test_persistent_gpu(arch, case, gpu_precompiled):
     """Persistent kernels: every output tile written exactly by its own block's walk (NaN-poisoned out), whether
     a block gets several tiles, one or none."""
     _check_custom_config(arch, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+@pytest.mark.parametrize("case", OVERLAP_GPU_CASES,
+                         ids=lambda c: f"{str(c[0])[6:]}-{c[1]}x{c[2]}x{c[3]}-{c[9].persistent}blocks")
+def test_overlap_gpu(arch, case, gpu_precompiled):
+    """The hand-written sm90 pipeline (TileConfig.overlap), its stages given back a K step late, against float64:
+    every output element written (NaN-poisoned out), through a persistent walk whose stages and phases carry on
+    across tiles. Not an sm80 kernel: validate refuses it there, with the reason."""
+    if arch == "sm80":
+        with pytest.raises(UnsupportedError, match="overlap is the sm90 wgmma pipeline"):
+            case[9].validate(arch, case[0], 2 if case[8] else 1)
+        return
+    _check_custom_config(arch, case)
+
+
+def test_overlap_kernel_leaves_one_wgmma_group_in_flight_and_no_block_wide_sync():
+    """What makes the overlap kernel what it is, in its lowered source: each K step waits for all but its own
+    wgmma group (two when gated) and gives back the stage before, and nothing syncs the whole block after the
+    barriers' set-up (a __syncthreads between producer and consumers would deadlock once K has more steps
+    than stages). Lowered without its pass configs, TileLang puts that sync in."""
+    cfg = TileConfig((128, 128, 64), stages=4, threads=256, warp_tile=(16, 128), overlap=True)
+    for gated, waits in ((False, "warpgroup_wait<1>"), (True, "warpgroup_wait<2>")):
+        src = lower_cuda(gemm_program("sm90", 768, 3072, "float16", cfg, b_transposed=True, gated=gated), "sm90",
+                         program_pass_configs(cfg))
+        assert waits in src and "warpgroup_wait<0>" in src
+        assert src.count("__syncthreads()") == 1 and "empty[((step[0] + 3) & 3)].arrive()" in src
+    plain = lower_cuda(gemm_program("sm90", 768, 3072, "float16", cfg, b_transposed=True), "sm90")
+    assert plain.count("__syncthreads()") > 1
 
 
 def _check_custom_config(arch, case):

@@ -86,6 +86,10 @@ class TileConfig:
     persistent: 0: one block per output tile. n > 0: n resident blocks (one per SM: the GPU's SM count) each
         walk tiles in turn, grouped in panels of `swizzle` column tiles, so that a block's loads for its next
         tile overlap its last tile's epilogue and the grid has no partial last wave (tensor cores only).
+    overlap: sm90, 16-bit inputs: the K loop written out as a TMA producer warpgroup and `threads` of consumer
+        warpgroups, each K step's wgmma group left in flight while the next step's is issued and its stage given
+        back to the producer one step later. TileLang's own pipeline waits for every group before it releases
+        the stage, which idles the tensor cores between K steps.
 
     >>> from tkopt.kernels import TileConfig
     >>> cfg = TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True)
@@ -107,6 +111,7 @@ class TileConfig:
     swizzle: int = 8
     stage_c: bool = True
     persistent: int = 0
+    overlap: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "block_tile", tuple(int(x) for x in self.block_tile))
@@ -162,8 +167,9 @@ class TileConfig:
         T.Pipelined gives every tile written in the K loop `stages` buffers: A and B (one B per accumulator),
         and on sm90 also the tf32x3 split tiles (sm80 keeps one copy of those). The output tile staged for the
         store (stage_c) is live only after the loop, so TileLang places it over the loop's buffers, except in a
-        persistent kernel, where the next tile's loop follows it. SIMT rows are padded by 16 bytes; its B tile
-        is counted in the larger of its two layouts (B or B transposed)."""
+        persistent kernel, where the next tile's loop follows it, and in the overlap kernel, whose buffers
+        TileLang lays out side by side. SIMT rows are padded by 16 bytes; its B tile is counted in the larger of
+        its two layouts (B or B transposed)."""
         if self.stages is None:
             raise ValueError(f"{self.describe()}: stages is unset; validate(arch, dtype) sets it")
         e = _DTYPE_BYTES[dtype_name(dtype)]
@@ -179,7 +185,7 @@ class TileConfig:
         if self.math(arch, dtype, precision) == "tf32x3":  # hi and lo copies of A and of each B
             loop += 2 * tiles * (self.stages if arch == "sm90" else 1)
         staged_c = bm * bn * e if self.stage_c else 0
-        return loop + staged_c if self.persistent else max(loop, staged_c)
+        return loop + staged_c if self.persistent or self.overlap else max(loop, staged_c)
 
     def with_stages(self, arch: str, dtype, accumulators: int = 1, precision: str = "ieee") -> TileConfig:
         """This config with `stages` set: as pinned, else the most (up to MAX_STAGES) whose shared memory fits
@@ -276,6 +282,8 @@ class TileConfig:
             return "GPU variants support float16, bfloat16 and float32"
         if self.threads <= 0 or self.threads > 1024 or self.threads % 32:
             return f"threads must be a positive multiple of 32 and <= 1024, got {self.threads}"
+        if self.overlap and (arch != "sm90" or not self.use_tensorcore or _DTYPE_BYTES[dt] != 2):
+            return "overlap is the sm90 wgmma pipeline: tensor cores and 16-bit inputs only"
         if self.use_tensorcore:
             problem = self._tensorcore_problem(arch, dt)
         elif self.persistent:
@@ -392,6 +400,8 @@ class TileConfig:
                     w[i] = int(w[i] * f)
                     if w[i] >= 1:
                         moves.append(("warp_tile", tuple(w), 1.0))
+        if self.overlap:
+            moves.append(("overlap", False, 1.0))
         return moves
 
 

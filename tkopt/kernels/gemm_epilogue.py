@@ -164,6 +164,7 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
     b_shape = (N, K) if b_t else (K, N)
     bs_shape = (bn, bk) if b_t else (bk, bn)
     stages, threads, swizzle, stage_c, persistent = cfg.stages, cfg.threads, cfg.swizzle, cfg.stage_c, cfg.persistent
+    overlap = cfg.overlap
 
     @T.macro
     def split_tile(src, hi, lo):
@@ -182,6 +183,31 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
             T.gemm(A_hi, B_hi, C_l, transpose_B=b_t, policy=policy)
         else:
             T.gemm(A_s, B_s, C_l, transpose_B=b_t, policy=policy)
+
+    @T.macro
+    def finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo):
+        # the epilogue on the accumulators, then the tile's one store
+        if has_bias or act is not None or has_res or gated or split:
+            for i, j in T.Parallel(bm, bn):
+                C_l[i, j] = _epilogue(
+                    _tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j],
+                    (_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j]) if gated else None,
+                    Bias[bx * bn + j] if has_bias else None,
+                    Bias2[bx * bn + j] if (has_bias and gated) else None,
+                    R[by * bm + i, bx * bn + j] if has_res else None,
+                    act,
+                    gated,
+                    acc_dt,
+                )
+        if stage_c:
+            if overlap:  # thread syncs are ours to place here (_overlap_body): C_s is free, then written
+                T.sync_threads(_CONSUMER_BARRIER, threads)
+            T.copy(C_l, C_s)
+            if overlap:
+                T.sync_threads(_CONSUMER_BARRIER, threads)
+            T.copy(C_s, C[by * bm, bx * bn])
+        else:
+            T.copy(C_l, C[by * bm, bx * bn])
 
     @T.macro
     def tile(bx, by, A, B, B2, Bias, Bias2, R, C, A_s, B_s, B2_s, C_s, C_l, C_lo, C2_l, C2_lo, A_hi, A_lo, B_hi,
@@ -208,29 +234,18 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
             mma(A_s, B_s, C_l, C_lo, A_hi, A_lo, B_hi, B_lo)
             if gated:
                 mma(A_s, B2_s, C2_l, C2_lo, A_hi, A_lo, B2_hi, B2_lo)
-        if has_bias or act is not None or has_res or gated or split:
-            for i, j in T.Parallel(bm, bn):
-                C_l[i, j] = _epilogue(
-                    _tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j],
-                    (_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j]) if gated else None,
-                    Bias[bx * bn + j] if has_bias else None,
-                    Bias2[bx * bn + j] if (has_bias and gated) else None,
-                    R[by * bm + i, bx * bn + j] if has_res else None,
-                    act,
-                    gated,
-                    acc_dt,
-                )
-        if stage_c:
-            T.copy(C_l, C_s)
-            T.copy(C_s, C[by * bm, bx * bn])
-        else:
-            T.copy(C_l, C[by * bm, bx * bn])
+        finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo)
 
     # persistent: that many resident blocks walk the tiles, so that the loads of a block's next tile start while
     # it finishes the last one; else one block per tile. The walk goes in panels of `group` column tiles: a group
     # that does not divide the column tiles pads each panel with empty slots, which unbalances the blocks' work.
     grid = (persistent,) if persistent else (T.ceildiv(N, bn), T.ceildiv(M, bm))
     group = max(g for g in range(1, max(swizzle, 1) + 1) if -(-N // bn) % g == 0)
+
+    if overlap:
+        loads = _overlap_loads(b_t, gated, bm, bn, bk)
+        return _signature(_overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, loads, finish, policy),
+                          M, N, K, dtype, b_shape, has_bias, has_res, gated)
 
     @T.macro
     def body(A, B, B2, Bias, Bias2, R, C):
@@ -270,6 +285,120 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
                 tile(ids[0], ids[1], A, B, B2, Bias, Bias2, R, C, *bufs)
 
     return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
+
+
+OVERLAP_PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}  # _overlap_body says why
+_CONSUMER_BARRIER = 3  # the named barrier the overlap kernel's consumer warpgroups sync on (0 is __syncthreads)
+
+
+def _overlap_loads(b_t, gated, bm, bn, bk):
+    """The producer's TMA loads of K step k into stage s, each arriving on `full`."""
+    import tilelang.language as T
+
+    def b_tile(B, bx, k):
+        return B[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk] if b_t else B[k * bk:(k + 1) * bk, bx * bn:(bx + 1) * bn]
+
+    @T.macro
+    def loads(A, B, B2, A_s, B_s, B2_s, full, s, bx, by, k):
+        T.tma_copy(A[by * bm:(by + 1) * bm, k * bk:(k + 1) * bk], A_s[s, :, :], barrier=full[s])
+        T.tma_copy(b_tile(B, bx, k), B_s[s, :, :], barrier=full[s])
+        if gated:
+            T.tma_copy(b_tile(B2, bx, k), B2_s[s, :, :], barrier=full[s])
+
+    return loads
+
+
+def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, loads, finish, policy):
+    """The sm90 kernel of TileConfig.overlap: a TMA producer warpgroup (the last) and cfg.threads of consumer
+    warpgroups, written out because TileLang's own pipeline waits for each K step's wgmma group before it gives
+    the stage back. Here a consumer issues step g's group, waits until only that one is in flight, and only
+    then gives back step g-1's stage (`empty`); a tile's last stage is given back after its final wait, before
+    the epilogue. Both sides count K steps across a persistent block's tiles (`step`), which fixes each step's
+    stage and barrier phase. TileLang's thread-sync pass would put a __syncthreads between the two sides
+    (deadlock), so it is off for this kernel (OVERLAP_PASS_CONFIGS) and the consumers' syncs around the staged
+    output tile are placed by `finish`."""
+    import tilelang.language as T
+
+    bm, bn, bk = cfg.block_tile
+    stages, threads, persistent = cfg.stages, cfg.threads, cfg.persistent
+    consumers = tuple(range(threads // 128))
+    producer = len(consumers)
+    acc_dt = "float32"
+    mma_wait = 2 if gated else 1  # wgmma groups of this step that may stay in flight
+
+    @T.macro
+    def produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, bx, by):
+        for k in T.serial(T.ceildiv(K, bk)):
+            s = step[0] % stages
+            T.mbarrier_wait_parity(empty[s], (step[0] // stages) % 2 ^ 1)
+            loads(A, B, B2, A_s, B_s, B2_s, full, s, bx, by, k)
+            T.mbarrier_arrive(full[s])
+            step[0] = step[0] + 1
+
+    @T.macro
+    def consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step):
+        T.clear(C_l)
+        if gated:
+            T.clear(C2_l)
+        for k in T.serial(T.ceildiv(K, bk)):
+            s = step[0] % stages
+            T.mbarrier_wait_parity(full[s], (step[0] // stages) % 2)
+            if gated:
+                T.gemm(A_s[s, :, :], B_s[s, :, :], C_l, transpose_B=b_t, policy=policy, annotations={"wg_wait": -1})
+                T.gemm(A_s[s, :, :], B2_s[s, :, :], C2_l, transpose_B=b_t, policy=policy,
+                       annotations={"wg_wait": mma_wait})
+            else:
+                T.gemm(A_s[s, :, :], B_s[s, :, :], C_l, transpose_B=b_t, policy=policy,
+                       annotations={"wg_wait": mma_wait})
+            if k > 0:
+                T.mbarrier_arrive(empty[(step[0] + stages - 1) % stages])
+            step[0] = step[0] + 1
+        T.warpgroup_wait(0)
+        T.mbarrier_arrive(empty[(step[0] + stages - 1) % stages])
+
+    @T.macro
+    def body(A, B, B2, Bias, Bias2, R, C):
+        with T.Kernel(*grid, threads=threads + 128) as ids:
+            A_s = T.alloc_shared((stages, bm, bk), dtype)
+            B_s = T.alloc_shared((stages, *bs_shape), dtype)
+            B2_s = T.alloc_shared((stages, *bs_shape), dtype) if gated else None
+            C_s = T.alloc_shared((bm, bn), dtype) if cfg.stage_c else None
+            C_l = T.alloc_fragment((bm, bn), acc_dt)
+            C2_l = T.alloc_fragment((bm, bn), acc_dt) if gated else None
+            full = T.alloc_barrier([128] * stages)
+            empty = T.alloc_barrier([threads] * stages)
+            step = T.alloc_local((1,), "int32")  # a buffer: the macros below advance it
+            step[0] = 0
+            if persistent:
+                row = T.alloc_var("int32")
+                col = T.alloc_var("int32")
+                with T.ws(producer):
+                    T.dec_max_nreg(24)
+                    for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids,
+                                               group_size=group):
+                        row = by
+                        col = bx
+                        produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, col, row)
+                with T.ws(*consumers):
+                    T.inc_max_nreg(240)
+                    for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids,
+                                               group_size=group):
+                        row = by
+                        col = bx
+                        consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step)
+                        finish(col, row, Bias, Bias2, R, C, C_s, C_l, None, C2_l, None)
+            else:
+                if cfg.swizzle > 0:
+                    T.use_swizzle(panel_size=cfg.swizzle)
+                with T.ws(producer):
+                    T.dec_max_nreg(24)
+                    produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, ids[0], ids[1])
+                with T.ws(*consumers):
+                    T.inc_max_nreg(240)
+                    consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step)
+                    finish(ids[0], ids[1], Bias, Bias2, R, C, C_s, C_l, None, C2_l, None)
+
+    return body
 
 
 def _simt_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
@@ -504,7 +633,13 @@ def _compile(key, device=None):
 
         return tilelang.compile(program(), target="c", target_host="c", execution_backend="cython")
     # sm80 on a newer GPU is built for that GPU with Hopper features off (arch.run_target says why).
-    return gpu_compile(("gemm", *key), program, run_target(arch, device), run_pass_configs(arch, device))
+    configs = {**run_pass_configs(arch, device), **program_pass_configs(config)}
+    return gpu_compile(("gemm", *key), program, run_target(arch, device), configs)
+
+
+def program_pass_configs(config: TileConfig) -> dict[str, bool]:
+    """The pass configs `gemm_program(..., config)` must be lowered with (its own, beside the arch's)."""
+    return OVERLAP_PASS_CONFIGS if config.overlap else {}
 
 
 def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,
