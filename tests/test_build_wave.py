@@ -17,7 +17,7 @@ from tkopt.kernels import gemm_epilogue, tuning
 from tkopt.kernels.arch import Build
 from tkopt.kernels.attention import tune_candidates
 from tkopt.kernels.config import TileConfig
-from tkopt.kernels.gemm_epilogue import TUNE_CANDIDATES, _tuning_key
+from tkopt.kernels.gemm_epilogue import _tuning_key, tuning_space
 from tkopt.kernels.norm import norm_candidates
 from tkopt.kernels.workers import compile_job, map_in_workers
 from tkopt.passes.pipeline import run_passes
@@ -57,6 +57,11 @@ def _tiles(jobs) -> list[tuple[int, int, int]]:
     return [job.args[0][4].block_tile for job in jobs]  # kernel_for_key(key, gpu): key[4] is the TileConfig
 
 
+def _candidates(m: int, n: int) -> list[dict]:
+    """The fp16 GEMM tuning candidates at m rows and n columns on the H200's 132 SMs."""
+    return tuning_space("sm90", m, n, torch.float16, sms=132)[1]
+
+
 def test_a_gemm_and_an_attention_plan_each_candidate_once(caches) -> None:
     nodes, _, _ = _fused(torch.float16)
     gemm = next(n for n in nodes if n.op == "FusedGemm")
@@ -65,7 +70,7 @@ def test_a_gemm_and_an_attention_plan_each_candidate_once(caches) -> None:
     tiles = _tiles(planned_jobs(gemm, H200))
     # M = 96 tunes: each candidate, and not the default tile 96 rows get on 132 SMs (64x128), which tuning never
     # times (the wave compiled it for the probe alone: one job of five per GEMM signature)
-    assert tiles == [c["block_tile"] for c in TUNE_CANDIDATES["sm90"]]
+    assert tiles == [c["block_tile"] for c in _candidates(96, 256)]
     assert all(job.args[0][10] is None for job in planned_jobs(gemm, H200)), "M must stay dynamic"
 
     jobs = planned_jobs(attention, H200)
@@ -87,7 +92,7 @@ def test_a_gemm_of_few_rows_plans_the_candidates_it_tunes_at_the_larger_size(cac
     sizes = [size.dims for size in TorchTarget((x,)).sizes(graph.meta["fx_module"])[1:]]
     assert [list(dims.values()) for dims in sizes] == [[640]]
     assert _tiles(planned_jobs(gemm, H200)) == [(64, 128, 64)]
-    candidates = [c["block_tile"] for c in TUNE_CANDIDATES["sm90"]]
+    candidates = [c["block_tile"] for c in _candidates(640, 256)]
     assert _tiles(planned_jobs(gemm, H200, sizes)) == [(64, 128, 64), *candidates]
 
 
@@ -105,7 +110,7 @@ def test_a_cached_winner_is_all_that_is_planned(caches) -> None:
     nodes, _, _ = _fused(torch.float16)
     gemm = next(n for n in nodes if n.op == "FusedGemm")
     attention = next(n for n in nodes if n.op == "FusedAttention")
-    cands = TUNE_CANDIDATES["sm90"]
+    cands = _candidates(96, 256)
     key = _tuning_key(96, 256, 256, torch.float16, None, True, False, True, "ieee")  # q's projection: bias, W^T
     tuning.pick_config("gemm", "sm90", key, cands, {"block_tile": (64, 128, 64)},
                        lambda c: 1.0 if c == cands[2] else 2.0)
@@ -157,7 +162,8 @@ def test_a_default_picked_with_tuning_suspended_is_not_kept(caches, monkeypatch)
     """A probe's config (tuning off) must not become the config of the calls at real shapes, which tune (here: a
     cached winner stands in for the tuning, so that nothing compiles or runs)."""
     monkeypatch.setattr(gemm_epilogue, "_SELECTED", {})
-    cands = TUNE_CANDIDATES["sm90"]
+    monkeypatch.setattr(gemm_epilogue, "_sm_count", lambda arch: H200.sms)  # tunes as on the H200
+    cands = _candidates(96, 256)
     args = ("gemm", "sm90", 96, 256, 256, torch.float16, None, True, False, True)
 
     def run(config):
@@ -178,7 +184,7 @@ def test_the_wave_builds_what_tuning_then_only_times(caches, monkeypatch) -> Non
     from tilelang.cache import kernel_cache
 
     nodes, _, _ = _fused(torch.float16)
-    jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), H200)  # the 4 candidates: M = 96 tunes
+    jobs = planned_jobs(next(n for n in nodes if n.op == "FusedGemm"), H200)  # the candidates: M = 96 tunes
     assert map_in_workers(compile_job, jobs, 2) == [None] * len(jobs)
 
     compiles = []
@@ -192,6 +198,7 @@ def test_the_wave_builds_what_tuning_then_only_times(caches, monkeypatch) -> Non
 
     waves = []
     monkeypatch.setattr(gemm_epilogue, "map_in_workers", lambda *args: waves.append(args))
+    monkeypatch.setattr(gemm_epilogue, "_sm_count", lambda arch: H200.sms)  # tunes as on the H200 the wave planned
     timed = []
 
     def run(config) -> float:  # the kernel a timing would launch: compiled_kernel, as gemm's own run reaches it
@@ -199,7 +206,7 @@ def test_the_wave_builds_what_tuning_then_only_times(caches, monkeypatch) -> Non
         return float(len(timed))
 
     gemm_epilogue.select_config("gemm", "sm90", 96, 256, 256, torch.float16, None, True, False, True, run)
-    assert len(timed) == len(TUNE_CANDIDATES["sm90"]) and waves == [] and compiles == []
+    assert len(timed) == len(_candidates(96, 256)) and waves == [] and compiles == []
 
 
 def test_the_probe_checks_the_example_shapes_with_tuning_off(caches, monkeypatch) -> None:

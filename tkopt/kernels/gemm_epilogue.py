@@ -26,6 +26,8 @@ Programs (`TileConfig.math` picks one; per-arch variants differ in target and co
 - SIMT (use_tensorcore=False): FMA on CUDA cores from register fragments (exact IEEE fp32 arithmetic,
   any GPU dtype, fp32 accumulate); cp.async pipeline into row-padded shared tiles.
 - cpu: C backend, serial scalar loops over a tile (portability and CI numerics, not speed); fp32/fp64.
+- sm90 overlap (TileConfig.overlap, fp16/bf16): the producer/consumer pipeline written out (_overlap_body), each
+  K step's wgmma group left in flight while the next is issued.
 The epilogue (bias, activation, residual, gate) runs on the fp32 accumulators before the single store. The
 tensor-core programs run one block per output tile, or with TileConfig.persistent resident blocks that each walk
 tiles in turn (T.Persistent), so that on sm90 the producer's loads for the next tile overlap the epilogue.
