@@ -4,7 +4,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from tkopt.kernels.gated_gemm import gated_mlp, gated_mlp_program
 from tkopt.kernels.gemm_epilogue import (
     _SELECTED,
     FP32_TUNE_CANDIDATES,
+    _candidate,
     _tf32_split,
     _tf32x3_sum,
     fp32_precision,
@@ -313,6 +314,16 @@ def test_smem_estimate_is_what_the_lowered_kernel_allocates(arch, dtype, precisi
     if cfg.stages is None:
         deeper = replace(staged, stages=staged.stages + 1)
         assert staged.stages == config_module.MAX_STAGES or deeper.problem(arch, dtype, acc, precision), deeper
+
+
+def test_a_config_as_a_tuning_candidate_keeps_every_field():
+    """The default config enters tuning as a candidate dict (_candidate): a field it dropped would make the
+    default a different kernel from the one planned and cached (a new TileConfig field must not need a list)."""
+    cfg = TileConfig((128, 192, 64), warp_tile=(16, 192), stages=3, threads=256, use_tensorcore=True, swizzle=4,
+                     stage_c=False, persistent=132, overlap=True)
+    assert all(getattr(cfg, f.name) != getattr(TileConfig(), f.name) for f in fields(TileConfig)
+               if f.name not in ("block_tile", "use_tensorcore"))
+    assert TileConfig(**_candidate(cfg)) == cfg
 
 
 def test_unset_stages_get_the_most_that_fit_and_pinned_ones_are_checked():

@@ -34,6 +34,7 @@ tiles in turn (T.Persistent), so that on sm90 the producer's loads for the next 
 """
 
 
+import dataclasses
 import functools
 import math
 import threading
@@ -897,9 +898,8 @@ def _candidate(cfg: TileConfig) -> dict:
     """A config as a tuning candidate: block_tile and the fields that differ from TileConfig's defaults."""
     defaults = TileConfig()
     d = {"block_tile": cfg.block_tile}
-    d.update({k: getattr(cfg, k) for k in ("warp_tile", "stages", "threads", "use_tensorcore", "swizzle", "stage_c",
-                                           "persistent")
-              if getattr(cfg, k) != getattr(defaults, k)})
+    d.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(TileConfig)
+              if f.name != "block_tile" and getattr(cfg, f.name) != getattr(defaults, f.name)})
     return d
 
 
