@@ -377,10 +377,7 @@ def _lower(case):
     options = {"kept_rows": True, **(semantics[0] if semantics else {})}
     func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **options,
                          strided_qkv=A.reads_strided(arch), **_config(arch, dim, overrides))
-    from tilelang import tvm
-
-    with tvm.transform.PassContext(config=A._pass_configs(arch)):
-        return lower_cuda(func, arch)
+    return lower_cuda(func, arch, A._pass_configs(arch))
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from tkopt.backends.onnx_model import check
 from tkopt.backends.onnx_model import export_onnx as to_onnx
@@ -179,3 +181,36 @@ def test_cuda_library_compiles(tmp_path, target):
     assert report.total_fused > 0
     assert build(graph, target, tmp_path / f"mlp.{target}.so") == {}
     assert (tmp_path / f"mlp.{target}.so").stat().st_size > 0
+
+
+def test_a_gpu_kernel_is_built_for_ort_as_torch_builds_it(tmp_path):
+    """The native library's kernel is the one the torch path compiles and measures: lowered and compiled with the
+    program's own pass configs (attention's fast math, which TileLang turns into nvcc's --use_fast_math), and the
+    kernel cache keeps them apart from a build without."""
+    from tkopt.fused_ops import schema
+    from tkopt.kernels import attention
+    from tkopt.ort.library import _lowered
+
+    class Attention(torch.nn.Module):  # two heads of 64, a dim the GPU kernels serve; causal: no mask input
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(128, 128)
+
+        def forward(self, x):
+            q = x.view(2, 16, 2, 64).transpose(1, 2)
+            o = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return self.proj(o.transpose(1, 2).reshape(2, 16, 128))
+
+    x = torch.randn(2, 16, 128, dtype=torch.float16)
+    src = export_onnx(Attention().half().eval(), (x,), tmp_path / "attention16.onnx", dynamo=True)
+    graph = import_onnx(src)
+    run_passes(graph)
+    attn = next(n for n in graph.nodes if n.op == "FusedAttention")
+    spec = schema("FusedAttention").program(attn, "sm90")
+    assert spec.pass_configs == attention.program_pass_configs("sm90") == {"tl.enable_fast_math": True}
+    assert _lowered(spec, "sm90").flags == ["--use_fast_math"]
+    plain = _lowered(replace(spec, pass_configs={}), "sm90")
+    assert plain.flags == [] and plain.symbol != _lowered(spec, "sm90").symbol
+    gemm = next(n for n in graph.nodes if n.op == "FusedGemm")
+    assert _lowered(schema("FusedGemm").program(gemm, "sm90"), "sm90").flags == []
+    assert attention.program_pass_configs("cpu") == {}  # the C backend's attention, as torch's CPU path builds it

@@ -155,7 +155,7 @@ def program(node: Node, arch: str) -> ProgramSpec:
         cfg = attention.FP32_CONFIG if dtype == "float32" else attention.DEFAULT_CONFIGS[(arch, dim)]
         key = ("attn", arch, *args, tuple(cfg.items()))
         build = lambda: attention.gpu_program(*args, **cfg)  # noqa: E731
-    return ProgramSpec(key, build, buffers, {0: "s0"})
+    return ProgramSpec(key, build, buffers, {0: "s0"}, attention.program_pass_configs(arch))
 
 
 OP = FusedOp(

@@ -60,12 +60,15 @@ class ProgramSpec:
     `buffers` maps each kernel buffer to ("in", i), ("out", j), or ("alias", other buffer) for a
     buffer the program's flags leave unread. `out_shapes[j]` is a C++ expression over s<i> (input i's
     shape) giving output j's shape. Identical `key`s share one compiled kernel in a library.
+    `pass_configs`: what the program must be lowered with, as tkopt.kernels compiles it for torch (fast math,
+    a pipeline that places its own syncs), so that the native library runs the same kernel.
     """
 
     key: tuple
     build: Callable[[], Any]  # -> prim_func
     buffers: dict[str, tuple[str, int | str]]
     out_shapes: dict[int, str]
+    pass_configs: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ def gemm_program(node: Node, arch: str, gated: bool) -> ProgramSpec:
     """The GEMM-epilogue program (shared with FusedGatedMLP, whose two weights make it `gated`)."""
     from tkopt.kernels.config import default_config
     from tkopt.kernels.gemm_epilogue import gemm_program as build_program
+    from tkopt.kernels.gemm_epilogue import program_pass_configs
 
     dtype = input_dtype(node)
     check_dtypes(node, dtype, arch, tuple(range(len(node.inputs))))
@@ -126,6 +127,7 @@ def gemm_program(node: Node, arch: str, gated: bool) -> ProgramSpec:
                               has_residual=has_res, gated=gated),
         buffers,
         {0: last_dim_expr(0, n)},
+        program_pass_configs(config),
     )
 
 

@@ -807,9 +807,15 @@ def cpu_program(
 # ---------------------------------------------------------------------------------------------------
 # Compilation (cached per compile-time key; dynamic dims make the key shape-free apart from heads/dim)
 # ---------------------------------------------------------------------------------------------------
+def program_pass_configs(arch: str) -> dict[str, bool]:
+    """The pass configs a GPU attention program is lowered with, on every path: fast math."""
+    return {} if arch == "cpu" else {"tl.enable_fast_math": True}
+
+
 def _pass_configs(arch: str = "sm90", device: str | None = None) -> dict:
-    """Fast math, plus what keeps the sm80 template Ampere-style when built for a newer GPU (arch.run_target)."""
-    return {"tl.enable_fast_math": True, **run_pass_configs(arch, device)}
+    """The program's own, plus what keeps the sm80 template Ampere-style when built for a newer GPU
+    (arch.run_target)."""
+    return {**program_pass_configs(arch), **run_pass_configs(arch, device)}
 
 
 def reads_strided(arch: str) -> bool:

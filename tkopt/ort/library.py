@@ -93,17 +93,18 @@ def check_prerequisites(target: str) -> None:
 
 
 def _lowered(spec: ProgramSpec, target: str) -> KernelSource:
-    """The kernel for a program, lowered once per (program key, target, versions) and kept on disk."""
+    """The kernel for a program, lowered once per (program key, its pass configs, target, versions) and kept on
+    disk."""
     from tkopt.cache import cache_path, digest, versions
     from tkopt.files import write_atomic
 
-    name = digest(repr(spec.key), target, versions())
+    name = digest(repr(spec.key), repr(sorted(spec.pass_configs.items())), target, versions())
     path = cache_path("ort-kernels", f"{name}.json")
     try:
         return KernelSource(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    kernel = lower_program(spec.build(), target, f"tk_{name[:16]}")
+    kernel = lower_program(spec.build(), target, f"tk_{name[:16]}", spec.pass_configs)
     write_atomic(path, json.dumps(asdict(kernel)).encode())
     return kernel
 

@@ -34,29 +34,34 @@ class LibraryBuildError(RuntimeError):
 
 @dataclass
 class KernelSource:
-    """One lowered kernel, renamed to `symbol`: its source and its params in `call` order."""
+    """One lowered kernel, renamed to `symbol`: its source, its params in `call` order, and the compiler flags its
+    pass configs add (fast math: nvcc's, as TileLang builds the kernel for torch)."""
 
     symbol: str
     source: str
     params: list[tuple[str, str]]  # (name, "buffer" | "var" | "stream") in call order
     buffer_shapes: dict[str, list[int | str]]  # buffer name -> dims (ints static, str = symbolic var)
     has_init: bool
+    flags: list[str] = field(default_factory=list)
 
 
-def lower_program(func, arch: str, symbol: str) -> KernelSource:
-    """Lower a TileLang prim_func for `arch` and wrap it with TileLang's host launcher, renamed."""
+def lower_program(func, arch: str, symbol: str, pass_configs: dict[str, bool] | None = None) -> KernelSource:
+    """Lower a TileLang prim_func for `arch` with the program's `pass_configs` (ProgramSpec.pass_configs) and wrap
+    it with TileLang's host launcher, renamed."""
     import tilelang
     import tvm
     from tilelang.jit.adapter.wrapper import TLWrapper
+    from tvm.ir.transform import PassContext
 
     from tkopt.kernels.arch import target_of
 
     target = target_of(arch)
-    with target:
+    configs = dict(pass_configs or {})
+    with target, PassContext(config=configs):
         art = tilelang.lower(func, target=target)
     wrapper = TLWrapper(target)
     wrapper.assign_optimized_module(tvm.IRModule({func.attrs["global_symbol"]: func}))
-    wrapper.assign_pass_configs({})
+    wrapper.assign_pass_configs(configs)
     wrapper.assign_host_module(art.host_mod)
     wrapper.assign_device_module(art.device_mod)
     code = wrapper.wrap(art.kernel_source)
@@ -64,7 +69,8 @@ def lower_program(func, arch: str, symbol: str) -> KernelSource:
     params, shapes = _signature(func)
     if arch != "cpu":
         params.append(("stream", "stream"))
-    return KernelSource(symbol, code, params, shapes, has_init=arch != "cpu")
+    flags = ["--use_fast_math"] if arch != "cpu" and configs.get("tl.enable_fast_math") else []
+    return KernelSource(symbol, code, params, shapes, has_init=arch != "cpu", flags=flags)
 
 
 def _rename(code: str, symbol: str) -> str:
@@ -261,7 +267,7 @@ def compile_object(kernel: KernelSource, target: str) -> Path:
     from tkopt.cache import cache_path, digest, versions
     from tkopt.files import write_atomic
 
-    cmd = _compile_command(target)
+    cmd = [*_compile_command(target), *kernel.flags]
     obj = cache_path("ort-kernels", f"{digest(kernel.source, cmd[1:], _compiler_id(cmd[0]), versions())}.o")
     if obj.is_file():
         return obj
