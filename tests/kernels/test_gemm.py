@@ -762,6 +762,18 @@ def test_overlap_gpu(arch, case, gpu_precompiled):
     _check_custom_config(arch, case)
 
 
+def test_overlap_is_refused_where_it_does_not_apply():
+    """Each refusal names its reason: not sm90, not 16-bit, or more consumer warpgroups than its register split
+    (producer 24, consumers 240 per thread) fits."""
+    cfg = TileConfig((128, 128, 64), threads=256, overlap=True)
+    for arch, dtype, threads, reason in (("sm80", "float16", 256, "sm90 wgmma pipeline"),
+                                         ("sm90", "float32", 256, "16-bit inputs only"),
+                                         ("sm90", "float16", 384, "threads must be 128 or 256")):
+        with pytest.raises(UnsupportedError, match=reason):
+            replace(cfg, threads=threads).validate(arch, dtype)
+    assert cfg.validate("sm90", "bfloat16").overlap
+
+
 def test_overlap_kernel_leaves_one_wgmma_group_in_flight_and_no_block_wide_sync():
     """What makes the overlap kernel what it is, in its lowered source: each K step waits for all but its own
     wgmma group (two when gated) and gives back the stage before, and nothing syncs the whole block after the

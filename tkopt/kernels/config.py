@@ -86,10 +86,10 @@ class TileConfig:
     persistent: 0: one block per output tile. n > 0: n resident blocks (one per SM: the GPU's SM count) each
         walk tiles in turn, grouped in panels of `swizzle` column tiles, so that a block's loads for its next
         tile overlap its last tile's epilogue and the grid has no partial last wave (tensor cores only).
-    overlap: sm90, 16-bit inputs: the K loop written out as a TMA producer warpgroup and `threads` of consumer
-        warpgroups, each K step's wgmma group left in flight while the next step's is issued and its stage given
-        back to the producer one step later. TileLang's own pipeline waits for every group before it releases
-        the stage, which idles the tensor cores between K steps.
+    overlap: sm90, 16-bit inputs: the K loop written out as a TMA producer warpgroup and `threads` (128 or 256)
+        of consumer warpgroups, each K step's wgmma group left in flight while the next step's is issued and its
+        stage given back to the producer one step later. TileLang's own pipeline waits for every group before it
+        releases the stage, which idles the tensor cores between K steps.
 
     >>> from tkopt.kernels import TileConfig
     >>> cfg = TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True)
@@ -284,6 +284,9 @@ class TileConfig:
             return f"threads must be a positive multiple of 32 and <= 1024, got {self.threads}"
         if self.overlap and (arch != "sm90" or not self.use_tensorcore or _DTYPE_BYTES[dt] != 2):
             return "overlap is the sm90 wgmma pipeline: tensor cores and 16-bit inputs only"
+        if self.overlap and self.threads not in (128, 256):
+            # its register split (producer 24, consumers 240 per thread) fits one or two consumer warpgroups
+            return f"overlap runs one or two consumer warpgroups: threads must be 128 or 256, got {self.threads}"
         if self.use_tensorcore:
             problem = self._tensorcore_problem(arch, dt)
         elif self.persistent:
