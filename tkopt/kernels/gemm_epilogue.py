@@ -246,8 +246,7 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
     group = max(g for g in range(1, max(swizzle, 1) + 1) if -(-N // bn) % g == 0)
 
     if overlap:
-        loads = _overlap_loads(b_t, gated, bm, bn, bk)
-        return _signature(_overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, loads, finish, policy),
+        return _signature(_overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish, policy),
                           M, N, K, dtype, b_shape, has_bias, has_res, gated)
 
     @T.macro
@@ -311,7 +310,7 @@ def _overlap_loads(b_t, gated, bm, bn, bk):
     return loads
 
 
-def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, loads, finish, policy):
+def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish, policy):
     """The sm90 kernel of TileConfig.overlap: a TMA producer warpgroup (the last) and cfg.threads of consumer
     warpgroups, written out because TileLang's own pipeline waits for each K step's wgmma group before it gives
     the stage back. Here a consumer issues step g's group, waits until only that one is in flight, and only
@@ -327,7 +326,9 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, loads,
     consumers = tuple(range(threads // 128))
     producer = len(consumers)
     acc_dt = "float32"
-    mma_wait = 2 if gated else 1  # wgmma groups of this step that may stay in flight
+    loads = _overlap_loads(b_t, gated, bm, bn, bk)
+    # a step's groups (two when gated) may stay in flight: the wait after its last one; gated, B's issues unwaited
+    b_wait = -1 if gated else 1
 
     @T.macro
     def produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, bx, by):
@@ -346,13 +347,9 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, loads,
         for k in T.serial(T.ceildiv(K, bk)):
             s = step[0] % stages
             T.mbarrier_wait_parity(full[s], (step[0] // stages) % 2)
+            T.gemm(A_s[s, :, :], B_s[s, :, :], C_l, transpose_B=b_t, policy=policy, annotations={"wg_wait": b_wait})
             if gated:
-                T.gemm(A_s[s, :, :], B_s[s, :, :], C_l, transpose_B=b_t, policy=policy, annotations={"wg_wait": -1})
-                T.gemm(A_s[s, :, :], B2_s[s, :, :], C2_l, transpose_B=b_t, policy=policy,
-                       annotations={"wg_wait": mma_wait})
-            else:
-                T.gemm(A_s[s, :, :], B_s[s, :, :], C_l, transpose_B=b_t, policy=policy,
-                       annotations={"wg_wait": mma_wait})
+                T.gemm(A_s[s, :, :], B2_s[s, :, :], C2_l, transpose_B=b_t, policy=policy, annotations={"wg_wait": 2})
             if k > 0:
                 T.mbarrier_arrive(empty[(step[0] + stages - 1) % stages])
             step[0] = step[0] + 1
