@@ -17,14 +17,11 @@ are not needed at these sizes: 8192^3 operands are 3 x 128 MB >> 50 MB L2):
    fp16: cuBLAS's matmul + bias alone (the floor of any epilogue), eager, torch.compile, cuBLASLt's fused
    epilogue (torch._addmm_activation; relu and gelu_tanh only), our tuned TileLang kernel, and what
    `gemm` runs (the faster of the last two, as timed by its tuning); ratios against torch.compile.
-7. (--persistent) the same projection shapes (PERSISTENT_SHAPES), fp16: 128-row tiles 128, 192 and 256 wide, each
-   with TileLang's pipeline and the overlap pipeline (TileConfig.overlap), in the default and the full-row warp
-   layout, one block per tile and persistent (TileConfig.persistent = the SM count); at a few rows, 64-row tiles
-   (small_m_configs); beside cuBLAS's matmul + bias and torch.compile; which schedule and tile is fastest per shape.
+7. (--persistent) the same projection shapes (PERSISTENT_SHAPES), fp16: the sm90 tuning candidates at each shape
+   and the persistent pingpong kernels (schedule_configs), beside cuBLAS's matmul + bias and torch.compile.
 """
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -55,6 +52,7 @@ from tkopt.kernels.gemm_epilogue import (  # noqa: E402
     gemm,
     gemm_custom,
     precompile,
+    tuning_space,
 )
 from tkopt.kernels.reference import gated_mlp_ref, gemm_ref  # noqa: E402
 
@@ -208,7 +206,8 @@ def _persistent_shape(name, M, N, K, act, hb, hr, configs) -> dict:
                 "torch.compile": lambda: compiled(x, w, b, r)}
     for c in configs:
         label = (f"{c.block_tile} s{c.stages}" + (" full-row" if c.warp_tile else "")
-                 + (" overlap" if c.overlap else "") + (" persistent" if c.persistent else ""))
+                 + (" overlap" if c.overlap else "") + (" pingpong" if c.pingpong else "")
+                 + (" persistent" if c.persistent else ""))
         variants[label] = functools.partial(gemm_custom, x, w, c, b, act, r, True)
     ref = compiled(x, w, b, r).float()
     errs, times = {}, {}
@@ -228,27 +227,20 @@ def _persistent_shape(name, M, N, K, act, hb, hr, configs) -> dict:
             "rel_err": errs}
 
 
-def schedule_configs(sms: int) -> list[TileConfig]:
-    """7.'s configs: three sm90 tiles, each with TileLang's pipeline and with the overlap pipeline
-    (TileConfig.overlap), in TileLang's default warp layout and in the full-row one (each consumer warpgroup one
-    m64 x bn wgmma), one block per tile and persistent."""
-    tiles = [TileConfig((128, bn, 64), stages=4 if bn < 256 else 3, threads=256) for bn in (128, 192, 256)]
-    return [dataclasses.replace(t, warp_tile=w, overlap=o, persistent=p) for t in tiles
-            for w in (None, (16, t.bn)) for o in (False, True) for p in (0, sms)]
-
-
-def small_m_configs() -> list[TileConfig]:
-    """7.'s configs for a few rows, where 128-row tiles leave most SMs idle: 64-row tiles (one consumer
-    warpgroup) 64 to 256 wide and the 128x128 tile, with TileLang's pipeline and the overlap pipeline."""
-    tiles = [TileConfig((64, bn, 64), stages=4 if bn < 256 else 3, threads=128) for bn in (64, 128, 256)]
-    tiles.append(TileConfig((128, 128, 64), stages=4, threads=256))
-    return [dataclasses.replace(t, overlap=o) for t in tiles for o in (False, True)]
+def schedule_configs(M: int, N: int, sms: int) -> list[TileConfig]:
+    """7.'s configs at one shape: the sm90 tuning candidates there (tuning_space at this GPU's SM count), and
+    where the grid is more than a wave, the persistent pingpong kernels (TileConfig.pingpong) 128x128, 128x192 and
+    64x256, each warpgroup's tile in the full-row layout."""
+    cands = [TileConfig(**c) for c in tuning_space("sm90", M, N, torch.float16, sms=sms)[1]]
+    pingpong = [TileConfig((bm, bn, 64), warp_tile=(bm // 4, bn), stages=s, threads=256, overlap=True,
+                           persistent=sms, pingpong=True) for bm, bn, s in ((128, 128, 4), (128, 192, 3), (64, 256, 3))]
+    return cands + [c for c in pingpong if -(-M // c.bm) * -(-N // c.bn) > sms]
 
 
 def persistent_section() -> list[dict]:
     """7.: every shape's candidates, one block per tile and persistent, timed in one run (module docstring)."""
-    big = schedule_configs(torch.cuda.get_device_properties(0).multi_processor_count)
-    configs = {shape: small_m_configs() if shape[1] <= SMALL_M else big for shape in PERSISTENT_SHAPES}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = {shape: schedule_configs(shape[1], shape[2], sms) for shape in PERSISTENT_SHAPES}
     keys = [("sm90", N, K, torch.float16, c, True, hb, act, hr, False, None)
             for (_, M, N, K, act, hb, hr), cs in configs.items() for c in cs]
     t = time.time()

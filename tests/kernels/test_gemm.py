@@ -293,6 +293,9 @@ SMEM_CASES = [
                  True, None, id="sm90-overlap-c-staging-beside-the-loop"),
     pytest.param("sm90", "bfloat16", "ieee", TileConfig((128, 128, 64), threads=256, overlap=True, persistent=132),
                  True, False, None, id="sm90-overlap-persistent-gated-stages-that-fit"),
+    pytest.param("sm90", "float16", "ieee", TileConfig((128, 192, 64), warp_tile=(32, 192), threads=256, overlap=True,
+                                                      persistent=132, pingpong=True), False, True, None,
+                 id="sm90-pingpong-a-staged-tile-per-warpgroup-stages-that-fit"),
     pytest.param("sm80", "float32", "ieee", TileConfig((128, 128, 16), threads=256, use_tensorcore=False), False,
                  True, None, id="sm80-simt-fp32"),
     # sm80's tf32x3 keeps one copy of the split tiles (lowering it takes TileLang about a minute)
@@ -320,7 +323,7 @@ def test_a_config_as_a_tuning_candidate_keeps_every_field():
     """The default config enters tuning as a candidate dict (_candidate): a field it dropped would make the
     default a different kernel from the one planned and cached (a new TileConfig field must not need a list)."""
     cfg = TileConfig((128, 192, 64), warp_tile=(16, 192), stages=3, threads=256, use_tensorcore=True, swizzle=4,
-                     stage_c=False, persistent=132, overlap=True)
+                     stage_c=False, persistent=132, overlap=True, pingpong=True)
     assert all(getattr(cfg, f.name) != getattr(TileConfig(), f.name) for f in fields(TileConfig)
                if f.name not in ("block_tile", "use_tensorcore"))
     assert TileConfig(**_candidate(cfg)) == cfg
@@ -502,6 +505,30 @@ NVCC_CASES = {
                                                   config=TileConfig((128, 256, 64), stages=3, threads=256,
                                                                     warp_tile=(16, 256), overlap=True, persistent=132),
                                                   b_transposed=True, has_bias=True)),
+    "sm90-overlap-persistent-192-gelu": ("sm90", dict(N=3072, K=768, dtype="float16",
+                                                      config=TileConfig((128, 192, 64), stages=4, threads=256,
+                                                                        warp_tile=(16, 192), overlap=True,
+                                                                        persistent=132),
+                                                      b_transposed=True, has_bias=True, act="gelu")),
+    "sm90-overlap-small-tile": ("sm90", dict(N=3072, K=768, dtype="float16",
+                                             config=TileConfig((64, 64, 64), stages=4, threads=128,
+                                                               warp_tile=(16, 64), overlap=True),
+                                             b_transposed=True, has_bias=True, act="gelu")),
+    "sm90-pingpong-gelu-residual": ("sm90", dict(N=3072, K=768, dtype="float16",
+                                                 config=TileConfig((128, 128, 64), warp_tile=(32, 128), stages=4,
+                                                                   threads=256, overlap=True, persistent=132,
+                                                                   pingpong=True),
+                                                 b_transposed=True, has_bias=True, act="gelu", has_residual=True)),
+    "sm90-pingpong-192-gelu": ("sm90", dict(N=3072, K=768, dtype="float16",
+                                            config=TileConfig((128, 192, 64), warp_tile=(32, 192), stages=3,
+                                                              threads=256, overlap=True, persistent=132,
+                                                              pingpong=True),
+                                            b_transposed=True, has_bias=True, act="gelu")),
+    "sm90-pingpong-64x256-bf16": ("sm90", dict(N=2048, K=2048, dtype="bfloat16",
+                                               config=TileConfig((64, 256, 64), warp_tile=(16, 256), stages=3,
+                                                                 threads=256, overlap=True, persistent=132,
+                                                                 pingpong=True),
+                                               b_transposed=False, has_bias=False, act=None)),
     "sm80-gated-gelu-fp32": ("sm80", dict(N=512, K=256, dtype="float32", precision="tf32",
                                           config=default_config("sm80", "float32", accumulators=2, precision="tf32"),
                                           b_transposed=True, has_bias=False, act="gelu", gated=True)),
@@ -630,6 +657,22 @@ OVERLAP_GPU_CASES = [  # ragged M, N and K; one consumer warpgroup and two; more
     (torch.float16, 2048, 2304, 768, True, "gelu_tanh", True, False, False,
      TileConfig((128, 192, 64), stages=4, threads=256, warp_tile=(16, 192), overlap=True, persistent=132,
                 stage_c=False)),
+    (torch.float16, 200, 3000, 768, True, "gelu", True, False, False,
+     TileConfig((64, 64, 64), stages=4, threads=128, warp_tile=(16, 64), overlap=True)),
+    # pingpong: 13 or 14 tiles a block (each warpgroup's count odd and even); 132 blocks on 324 tiles; more blocks
+    # than tiles (a block of one tile: warpgroup 1 takes none); the output stored from registers
+    (torch.float16, 1000, 520, 264, True, "gelu", True, True, False,
+     TileConfig((128, 128, 64), stages=4, threads=256, warp_tile=(32, 128), overlap=True, persistent=3,
+                pingpong=True)),
+    (torch.bfloat16, 4100, 2304, 768, False, None, True, False, False,
+     TileConfig((128, 192, 64), stages=3, threads=256, warp_tile=(32, 192), overlap=True, persistent=132,
+                pingpong=True)),
+    (torch.float16, 300, 1000, 512, True, "silu", False, True, False,
+     TileConfig((64, 256, 64), stages=3, threads=256, warp_tile=(16, 256), overlap=True, persistent=200,
+                pingpong=True)),
+    (torch.float16, 700, 384, 200, True, None, True, False, False,
+     TileConfig((128, 128, 64), stages=4, threads=256, warp_tile=(32, 128), overlap=True, persistent=4,
+                pingpong=True, stage_c=False)),
 ]
 FP32_ACCURACY_CONFIGS = {  # fp32 kernels at "highest", measured against cuBLAS at M=N=K=1024
     "tf32x3": lambda arch: TileConfig((128, 128, 32), threads=256),  # stages: the most that fit on the arch
@@ -772,6 +815,38 @@ def test_overlap_is_refused_where_it_does_not_apply():
         with pytest.raises(UnsupportedError, match=reason):
             replace(cfg, threads=threads).validate(arch, dtype)
     assert cfg.validate("sm90", "bfloat16").overlap
+
+
+def test_pingpong_is_refused_where_it_does_not_apply():
+    """A pingpong kernel alternates a persistent block's tiles between two consumer warpgroups, each holding a
+    whole tile: each missing prerequisite and a tile too big for one warpgroup's registers is refused by name."""
+    cfg = TileConfig((128, 128, 64), warp_tile=(32, 128), threads=256, overlap=True, persistent=132, pingpong=True)
+    for change, acc, reason in ((dict(overlap=False), 1, "it needs overlap, persistent and threads=256"),
+                                (dict(persistent=0), 1, "it needs overlap, persistent and threads=256"),
+                                (dict(threads=128), 1, "it needs overlap, persistent and threads=256"),
+                                (dict(block_tile=(128, 256, 64), warp_tile=(32, 256)), 1, "256 registers per thread"),
+                                ({}, 2, "2 x 128x128 fp32 accumulators")):
+        with pytest.raises(UnsupportedError, match=reason):
+            replace(cfg, **change).validate("sm90", "float16", accumulators=acc)
+    assert cfg.validate("sm90", "float16").pingpong
+    with pytest.raises(UnsupportedError, match="a tile's 128 threads are 4 warps"):  # one warpgroup's layout
+        replace(cfg, warp_tile=(16, 128)).validate("sm90", "float16")
+
+
+def test_pingpong_kernel_orders_the_warpgroups_loops_and_stages_each_tile_apart():
+    """The pingpong kernel in its lowered source: each consumer warpgroup waits for the other's K loop of the tile
+    before (`done`) and releases its own after its loop; each stages its output tile in its own half of the
+    shared buffer (TileLang laid two separate buffers over each other) and syncs only its own 128 threads."""
+    cfg = TileConfig((128, 128, 64), stages=4, threads=256, warp_tile=(32, 128), overlap=True, persistent=132,
+                     pingpong=True)
+    src = lower_cuda(gemm_program("sm90", 3072, 768, "float16", cfg, b_transposed=True, has_bias=True), "sm90",
+                     program_pass_configs(cfg))
+    assert "done[1].wait((((tiles[0] >> 1) + 1) & 1))" in src and "done[0].wait(((tiles[0] & 3) >> 1))" in src
+    assert src.index("done[0].arrive()") < src.index("done[1].arrive()")
+    assert "__sync_thread_partial(3, 128)" in src and "__sync_thread_partial(4, 128)" in src
+    stores = [line for line in src.splitlines() if "tma_store(C_desc" in line]
+    assert len(stores) == 2 and "(i_4 * 8192)])" in stores[0] and "+ 16384)])" in stores[1], stores
+    assert src.count("__syncthreads()") == 1
 
 
 def test_overlap_kernel_leaves_one_wgmma_group_in_flight_and_no_block_wide_sync():

@@ -90,6 +90,10 @@ class TileConfig:
         of consumer warpgroups, each K step's wgmma group left in flight while the next step's is issued and its
         stage given back to the producer one step later. TileLang's own pipeline waits for every group before it
         releases the stage, which idles the tensor cores between K steps.
+    pingpong: with overlap and persistent, threads=256: the two consumer warpgroups take a block's tiles in turn,
+        each a whole tile (one warpgroup's registers: at most 128 x 192 accumulators), so that one warpgroup's
+        epilogue and store run while the other's K loop keeps the tensor cores busy. Off, the two share each
+        tile and the tensor cores idle through every epilogue.
 
     >>> from tkopt.kernels import TileConfig
     >>> cfg = TileConfig(block_tile=(128, 128, 32), warp_tile=(64, 64, 16), use_tensorcore=True)
@@ -112,6 +116,7 @@ class TileConfig:
     stage_c: bool = True
     persistent: int = 0
     overlap: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "block_tile", tuple(int(x) for x in self.block_tile))
@@ -129,6 +134,11 @@ class TileConfig:
     @property
     def bk(self) -> int:
         return self.block_tile[2]
+
+    @property
+    def tile_threads(self) -> int:
+        """Threads that compute one output tile: one warpgroup in a pingpong kernel, else all of them."""
+        return 128 if self.pingpong else self.threads
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -184,7 +194,7 @@ class TileConfig:
         loop = self.stages * tiles
         if self.math(arch, dtype, precision) == "tf32x3":  # hi and lo copies of A and of each B
             loop += 2 * tiles * (self.stages if arch == "sm90" else 1)
-        staged_c = bm * bn * e if self.stage_c else 0
+        staged_c = bm * bn * e * (2 if self.pingpong else 1) if self.stage_c else 0  # pingpong: one per warpgroup
         return loop + staged_c if self.persistent or self.overlap else max(loop, staged_c)
 
     def with_stages(self, arch: str, dtype, accumulators: int = 1, precision: str = "ieee") -> TileConfig:
@@ -287,6 +297,12 @@ class TileConfig:
         if self.overlap and self.threads not in (128, 256):
             # its register split (producer 24, consumers 240 per thread) fits one or two consumer warpgroups
             return f"overlap runs one or two consumer warpgroups: threads must be 128 or 256, got {self.threads}"
+        if self.pingpong and not (self.overlap and self.persistent and self.threads == 256):
+            return "pingpong alternates a persistent block's tiles between two warpgroups: it needs overlap, " \
+                   "persistent and threads=256"
+        if self.pingpong and accumulators * self.bm * self.bn // 128 > MAX_ACC_REGS:
+            return (f"a pingpong tile is one warpgroup's: {accumulators} x {self.bm}x{self.bn} fp32 accumulators are "
+                    f"{accumulators * self.bm * self.bn // 128} registers per thread (> {MAX_ACC_REGS})")
         if self.use_tensorcore:
             problem = self._tensorcore_problem(arch, dt)
         elif self.persistent:
@@ -321,7 +337,7 @@ class TileConfig:
         if arch == "sm90":
             if self.threads % 128:
                 return f"wgmma needs whole warpgroups: threads={self.threads} is not a multiple of 128"
-            groups = self.threads // 128
+            groups = self.tile_threads // 128
             if bm % 64:
                 return f"bm={bm} is not a multiple of the wgmma M (64)"
             if bn % 8 or bn > 256 * groups:
@@ -338,11 +354,11 @@ class TileConfig:
             return f"warp_tile wk={self.warp_tile[2]} must divide bk={bk} in whole MMA K steps ({kmul} for {dt})"
         if bm % wm or bn % wn:
             return f"warp_tile {self.warp_tile} does not divide the block tile"
-        warps = self.threads // 32
+        warps = self.tile_threads // 32
         if (bm // wm) * (bn // wn) != warps:
-            return (f"warp_tile {self.warp_tile} gives {(bm // wm) * (bn // wn)} warps but threads={self.threads} is "
-                    f"{warps} warps")
-        layouts = _warp_layouts(arch, dt, bm, bn, self.threads)
+            return (f"warp_tile {self.warp_tile} gives {(bm // wm) * (bn // wn)} warps but a tile's "
+                    f"{self.tile_threads} threads are {warps} warps")
+        layouts = _warp_layouts(arch, dt, bm, bn, self.tile_threads)
         if (bm // wm, bn // wn) not in layouts.values():
             options = sorted({(bm // m, bn // n) for m, n in layouts.values()})
             return f"warp_tile {self.warp_tile} is not a layout TileLang's warp partition gives; possible: {options}"
@@ -353,7 +369,7 @@ class TileConfig:
         if self.warp_tile is None:
             return 0
         grid = (self.bm // self.warp_tile[0], self.bn // self.warp_tile[1])
-        return next(p for p, g in _warp_layouts(arch, dtype_name(dtype), self.bm, self.bn, self.threads).items()
+        return next(p for p, g in _warp_layouts(arch, dtype_name(dtype), self.bm, self.bn, self.tile_threads).items()
                     if g == grid)
 
     def _nearest_valid(self, arch: str, dt: str, accumulators: int, precision: str) -> TileConfig | None:
@@ -405,6 +421,8 @@ class TileConfig:
                         moves.append(("warp_tile", tuple(w), 1.0))
         if self.overlap:
             moves.append(("overlap", False, 1.0))
+        if self.pingpong:
+            moves.append(("pingpong", False, 1.0))
         return moves
 
 

@@ -188,7 +188,7 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
             T.gemm(A_s, B_s, C_l, transpose_B=b_t, policy=policy)
 
     @T.macro
-    def finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo):
+    def finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo, bar):
         # the epilogue on the accumulators, then the tile's one store
         if has_bias or act is not None or has_res or gated or split:
             for i, j in T.Parallel(bm, bn):
@@ -204,11 +204,11 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
                 )
         if stage_c:
             if overlap:  # thread syncs are ours to place here (_overlap_body): C_s is free, then written
-                T.sync_threads(_CONSUMER_BARRIER, threads)
+                T.sync_threads(bar, cfg.tile_threads)
             T.copy(C_l, C_s)
             if overlap:
-                T.sync_threads(_CONSUMER_BARRIER, threads)
-            T.copy(C_s, C[by * bm, bx * bn])
+                T.sync_threads(bar, cfg.tile_threads)
+            T.copy(C_s, C[by * bm:(by + 1) * bm, bx * bn:(bx + 1) * bn])
         else:
             T.copy(C_l, C[by * bm, bx * bn])
 
@@ -237,7 +237,7 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
             mma(A_s, B_s, C_l, C_lo, A_hi, A_lo, B_hi, B_lo)
             if gated:
                 mma(A_s, B2_s, C2_l, C2_lo, A_hi, A_lo, B2_hi, B2_lo)
-        finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo)
+        finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo, 0)
 
     # persistent: that many resident blocks walk the tiles, so that the loads of a block's next tile start while
     # it finishes the last one; else one block per tile. The walk goes in panels of `group` column tiles: a group
@@ -290,7 +290,8 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
 
 
 OVERLAP_PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}  # _overlap_body says why
-_CONSUMER_BARRIER = 3  # the named barrier the overlap kernel's consumer warpgroups sync on (0 is __syncthreads)
+# the named barrier the overlap kernel's consumer warpgroups sync on (0 is __syncthreads); pingpong: this and the next
+_CONSUMER_BARRIER = 3
 
 
 def _overlap_loads(b_t, gated, bm, bn, bk):
@@ -357,6 +358,60 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
         T.mbarrier_arrive(empty[(step[0] + stages - 1) % stages])
 
     @T.macro
+    def take_turns(w, ids, A_s, B_s, C_s, C_l, full, empty, done, step, tiles, Bias, R, C):
+        # consumer warpgroup w's share of a pingpong block: the block's tiles t = w, w + 2, ... Before a tile's K
+        # loop it waits for the other warpgroup's loop of tile t - 1 (`done`, one phase per loop: for tile 0 the
+        # parity of a phase before the first, which passes), so the two K loops run one after the other and each
+        # warpgroup's epilogue overlaps the other's loop. Waiting keeps the stage barriers' phases unambiguous: a
+        # warpgroup starts on tile t's steps only once tile t - 1's have all been taken.
+        row = T.alloc_var("int32")
+        col = T.alloc_var("int32")
+        for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group):
+            row = by
+            col = bx
+            if tiles[0] % 2 == w:
+                T.mbarrier_wait_parity(done[1 - w], (tiles[0] // 2 + 1 - w) % 2)
+                consume(A_s, B_s, None, C_l, None, full, empty, step)
+                T.mbarrier_arrive(done[w])
+                finish(col, row, Bias, None, R, C, C_s[w, :, :] if cfg.stage_c else None, C_l, None, None, None,
+                       _CONSUMER_BARRIER + w)
+            else:
+                step[0] = step[0] + T.ceildiv(K, bk)
+            tiles[0] = tiles[0] + 1
+
+    @T.macro
+    def pingpong(A, B, B2, Bias, Bias2, R, C):
+        with T.Kernel(*grid, threads=threads + 128) as ids:
+            A_s = T.alloc_shared((stages, bm, bk), dtype)
+            B_s = T.alloc_shared((stages, *bs_shape), dtype)
+            # one staged output tile per warpgroup, in one buffer: TileLang would lay two buffers used in different
+            # warp-specialized branches over each other
+            C_s = T.alloc_shared((2, bm, bn), dtype) if cfg.stage_c else None
+            C_l0 = T.alloc_fragment((bm, bn), acc_dt)
+            C_l1 = T.alloc_fragment((bm, bn), acc_dt)
+            full = T.alloc_barrier([128] * stages)
+            empty = T.alloc_barrier([128] * stages)  # one warpgroup takes each step
+            done = T.alloc_barrier([128, 128])  # a phase per K loop of warpgroup 0, of warpgroup 1
+            step = T.alloc_local((1,), "int32")
+            step[0] = 0
+            tiles = T.alloc_local((1,), "int32")  # tiles of the block walked so far
+            tiles[0] = 0
+            row = T.alloc_var("int32")
+            col = T.alloc_var("int32")
+            with T.ws(2):
+                T.dec_max_nreg(24)
+                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group):
+                    row = by
+                    col = bx
+                    produce(A, B, None, A_s, B_s, None, full, empty, step, col, row)
+            with T.ws(0):
+                T.inc_max_nreg(240)
+                take_turns(0, ids, A_s, B_s, C_s, C_l0, full, empty, done, step, tiles, Bias, R, C)
+            with T.ws(1):
+                T.inc_max_nreg(240)
+                take_turns(1, ids, A_s, B_s, C_s, C_l1, full, empty, done, step, tiles, Bias, R, C)
+
+    @T.macro
     def body(A, B, B2, Bias, Bias2, R, C):
         with T.Kernel(*grid, threads=threads + 128) as ids:
             A_s = T.alloc_shared((stages, bm, bk), dtype)
@@ -386,7 +441,7 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
                         row = by
                         col = bx
                         consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step)
-                        finish(col, row, Bias, Bias2, R, C, C_s, C_l, None, C2_l, None)
+                        finish(col, row, Bias, Bias2, R, C, C_s, C_l, None, C2_l, None, _CONSUMER_BARRIER)
             else:
                 if cfg.swizzle > 0:
                     T.use_swizzle(panel_size=cfg.swizzle)
@@ -396,9 +451,9 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
                 with T.ws(*consumers):
                     T.inc_max_nreg(240)
                     consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step)
-                    finish(ids[0], ids[1], Bias, Bias2, R, C, C_s, C_l, None, C2_l, None)
+                    finish(ids[0], ids[1], Bias, Bias2, R, C, C_s, C_l, None, C2_l, None, _CONSUMER_BARRIER)
 
-    return body
+    return pingpong if cfg.pingpong else body
 
 
 def _simt_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
@@ -844,15 +899,33 @@ def gemm_custom(a, b, config, bias=None, act=None, residual=None, b_transposed=F
 # Small tuning spaces: 16-bit inputs per arch; fp32 per arch and precision ("ieee": SIMT configs only, since
 # tf32x3 measured 2.2x cuBLAS's error on the H200, short of `A @ B`'s accuracy; see config.FP32_FULL).
 TUNE_CANDIDATES = {
+    # sm90: the two wide tiles on TileLang's pipeline; the 128x128 and 128x192 tiles on the overlap pipeline, each
+    # consumer warpgroup one m64 x bn wgmma; the 128x128 pingpong tile. On an H100 (2026-12-06, bench_gemm.py
+    # --persistent and benchmarks/tuning_db.py): 128x192 persistent was the fastest kernel at BERT's and GPT-2's
+    # projections, the wide tiles at Llama's 2048 columns, pingpong at 4 of the models' 38 GEMM keys (by up to 5%)
     "sm90": [
         dict(block_tile=(128, 256, 64), stages=3, threads=256),
         dict(block_tile=(256, 128, 64), stages=3, threads=256),
-        dict(block_tile=(128, 128, 64), stages=4, threads=256),
-        dict(block_tile=(128, 256, 32), stages=4, threads=256),
+        dict(block_tile=(128, 128, 64), warp_tile=(16, 128), stages=4, threads=256, overlap=True),
+        dict(block_tile=(128, 192, 64), warp_tile=(16, 192), stages=4, threads=256, overlap=True),
+        dict(block_tile=(128, 128, 64), warp_tile=(32, 128), stages=4, threads=256, overlap=True, pingpong=True),
     ],
     "sm80": [
         dict(block_tile=(128, 128, 32), stages=3, threads=128),
         dict(block_tile=(128, 256, 32), stages=3, threads=256),
+        dict(block_tile=(128, 128, 64), stages=3, threads=256),
+        dict(block_tile=(256, 128, 32), stages=3, threads=256),
+    ],
+}
+# gated (two accumulators): tiles at most 128 wide
+GATED_TUNE_CANDIDATES = {
+    "sm90": [
+        dict(block_tile=(256, 128, 64), stages=3, threads=256),
+        dict(block_tile=(128, 128, 64), stages=4, threads=256),
+        dict(block_tile=(128, 128, 64), stages=3, threads=256),
+    ],
+    "sm80": [
+        dict(block_tile=(128, 128, 32), stages=3, threads=128),
         dict(block_tile=(128, 128, 64), stages=3, threads=256),
         dict(block_tile=(256, 128, 32), stages=3, threads=256),
     ],
@@ -879,14 +952,27 @@ FP32_TUNE_CANDIDATES = {
 }
 
 
-def _persistent_beyond_one_wave(cand: dict, M: int, N: int, sms: int) -> dict:
-    """The 128x128 candidate as a persistent kernel where its grid (at M's tuning bucket) is more than one wave.
-    On an H100 (2026-12-06, benchmarks/bench_gemm.py --persistent) it ran 1.00-1.12x its one-block-per-tile
-    self at six 8192-row projections, where the 128x256 tiles ran 0.86-1.06x theirs; at one wave or less it
-    only adds the walk (BERT 1x128: 0.93x)."""
+# sm90 where a 128x128 grid is under one wave (BERT 1x128): smaller tiles put more blocks on the SMs
+SMALL_M_CANDIDATES = [
+    dict(block_tile=(128, 128, 64), warp_tile=(16, 128), stages=4, threads=256, overlap=True),
+    dict(block_tile=(64, 128, 64), warp_tile=(16, 128), stages=4, threads=128, overlap=True),
+    dict(block_tile=(64, 64, 64), warp_tile=(16, 64), stages=4, threads=128, overlap=True),
+]
+
+
+def _tiles(M: int, N: int, bm: int, bn: int) -> int:
+    """Output tiles of an M x N GEMM in bm x bn tiles, at M's tuning bucket."""
     from .tuning import shape_bucket
 
-    if cand["block_tile"][:2] != (128, 128) or -(-shape_bucket(M) // 128) * -(-N // 128) <= sms:
+    return -(-shape_bucket(M) // bm) * -(-N // bn)
+
+
+def _persistent_beyond_one_wave(cand: dict, M: int, N: int, sms: int) -> dict:
+    """An overlap-pipeline candidate as a persistent kernel where its grid (at M's tuning bucket) is more than one
+    wave. On an H100 (2026-12-06, benchmarks/bench_gemm.py --persistent) the persistent 128x128 and 128x192
+    overlap kernels ran 1.02-1.17x their one-block-per-tile selves at BERT's and GPT-2's 8192-row projections,
+    where the wide tiles on TileLang's pipeline ran 0.86-1.06x theirs; at one wave or less it only adds the walk."""
+    if not cand.get("overlap") or _tiles(M, N, *cand["block_tile"][:2]) <= sms:
         return cand
     return {**cand, "persistent": sms}
 
@@ -913,15 +999,16 @@ def tuning_space(arch, M, N, dtype, gated=False, precision="ieee", sms=None) -> 
     default = default_config(arch, dtype, accumulators=acc, m=M, n=N, sms=sms, precision=precision)
     if arch == "cpu" or M <= 64:
         return default, []
-    space = FP32_TUNE_CANDIDATES[(arch, precision)] if dtype == torch.float32 else TUNE_CANDIDATES[arch]
-    if arch == "sm90" and dtype != torch.float32 and not gated and sms:
-        space = [_persistent_beyond_one_wave(c, M, N, sms) for c in space]
-    cands = [c for c in space if _valid(c, arch, dtype, acc, precision)]
-    if gated and dtype != torch.float32:
-        cands = [c for c in cands if c["block_tile"][1] <= 128] + [
-            dict(block_tile=(128, 128, 64), stages=3, threads=256)] * (arch == "sm90")
-        cands = list({str(c): c for c in cands}.values())
-    return default, cands
+    if dtype == torch.float32:
+        space = FP32_TUNE_CANDIDATES[(arch, precision)]
+    elif gated:
+        space = GATED_TUNE_CANDIDATES[arch]
+    else:
+        space = TUNE_CANDIDATES[arch]
+        if arch == "sm90" and sms:
+            space = SMALL_M_CANDIDATES if _tiles(M, N, 128, 128) < sms else space
+            space = [_persistent_beyond_one_wave(c, M, N, sms) for c in space]
+    return default, [c for c in space if _valid(c, arch, dtype, acc, precision)]
 
 
 def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False,
