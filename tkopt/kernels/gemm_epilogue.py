@@ -189,19 +189,19 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
 
     @T.macro
     def finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo, bar):
-        # the epilogue on the accumulators, then the tile's one store
-        if has_bias or act is not None or has_res or gated or split:
+        # the epilogue on the accumulators, then the tile's one store. The activation's input is written to the
+        # accumulator first: inline, every use of it in the activation would load and bounds-check the bias again
+        if has_bias or split:
             for i, j in T.Parallel(bm, bn):
-                C_l[i, j] = _epilogue(
-                    _tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j],
-                    (_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j]) if gated else None,
-                    Bias[bx * bn + j] if has_bias else None,
-                    Bias2[bx * bn + j] if (has_bias and gated) else None,
-                    R[by * bm + i, bx * bn + j] if has_res else None,
-                    act,
-                    gated,
-                    acc_dt,
-                )
+                C_l[i, j] = _epilogue(_tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j], None,
+                                      Bias[bx * bn + j] if has_bias else None, None, None, None, False, acc_dt)
+                if gated:
+                    C2_l[i, j] = _epilogue(_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j], None,
+                                           Bias2[bx * bn + j] if has_bias else None, None, None, None, False, acc_dt)
+        if act is not None or has_res or gated:
+            for i, j in T.Parallel(bm, bn):
+                C_l[i, j] = _epilogue(C_l[i, j], C2_l[i, j] if gated else None, None, None,
+                                      R[by * bm + i, bx * bn + j] if has_res else None, act, gated, acc_dt)
         if stage_c:
             if overlap:  # thread syncs are ours to place here (_overlap_body): C_s is free, then written
                 T.sync_threads(bar, cfg.tile_threads)
@@ -319,7 +319,8 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
     the epilogue. Both sides count K steps across a persistent block's tiles (`step`), which fixes each step's
     stage and barrier phase. TileLang's thread-sync pass would put a __syncthreads between the two sides
     (deadlock), so it is off for this kernel (OVERLAP_PASS_CONFIGS) and the consumers' syncs around the staged
-    output tile are placed by `finish`."""
+    output tile are placed by `finish`. With cfg.pingpong the two consumer warpgroups take whole tiles in turn
+    (`take_turns`) instead of sharing each one."""
     import tilelang.language as T
 
     bm, bn, bk = cfg.block_tile
