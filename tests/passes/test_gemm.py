@@ -62,6 +62,25 @@ def test_transposed_constant_weight_and_linear_use_trans_b():
     assert second.attrs["trans_b"] == 1 and second.inputs[2].name == "b2"
 
 
+def test_a_transposed_runtime_weight_is_read_in_place():
+    """Dynamo's graphs take a linear's weight as an input and decompose the linear into t(w) + addmm: the
+    transpose becomes trans_b on w itself, so the kernel reads the weight as stored. A transpose whose result
+    has another reader stays, and the GEMM reads it as B."""
+    b = Builder()
+    x, w = b.input("x", (6, 8)), b.input("w", (16, 8))
+    b.output(b.op("Gemm", x, b.op("Transpose", w, perm=[1, 0]), b.param(16, name="bias")))
+    _fused_same(b, gemm, want_ops=["FusedGemm"])
+    (node,) = b.graph.nodes
+    assert node.attrs["trans_b"] == 1 and node.inputs[1] is w
+    b = Builder()
+    x, w = b.input("x", (6, 8)), b.input("w", (16, 8))
+    wt = b.op("Transpose", w, perm=[1, 0])
+    b.output(b.op("MatMul", x, wt), b.op("Relu", wt))
+    _fused_same(b, gemm, want_ops=["Transpose", "FusedGemm", "Relu"])
+    fused = next(n for n in b.graph.nodes if n.op == "FusedGemm")
+    assert fused.attrs["trans_b"] == 0 and fused.inputs[1] is wt
+
+
 def test_gemm_op_bias_and_full_shape_c_as_residual():
     b = Builder()
     a, c = b.input("a", (6, 8)), b.input("c", (6, 16))

@@ -50,10 +50,12 @@ class Base:
 
 
 def _weight(ix: ShapedIndex, b: Value, trans_b: int) -> tuple[Value, int, list[Node]]:
-    """(B, trans_b, []), or for B = Transpose(W) of a constant 2-D W read only here, (W, flipped
-    trans_b, [the Transpose]): a linear layer's weight as exporters and decompositions write it."""
+    """(B, trans_b, []), or for B = Transpose(W) of a 2-D W read only here, (W, flipped trans_b, [the
+    Transpose]): a linear layer's weight as exporters and decompositions write it. W may be a constant or a
+    runtime input (Dynamo's graphs take parameters as inputs): left as B, the transposed view would reach the
+    kernel as a strided weight, copied on every call, and its GEMM keys would miss the shipped tuning winners."""
     t = ix.producer(b, "Transpose")
-    if t is not None and ix.single_use(b) and t.inputs[0] is not None and t.inputs[0].const is not None:
+    if t is not None and ix.single_use(b) and t.inputs[0] is not None:
         w = t.inputs[0]
         if w.rank == 2 and list(t.attr("perm", [1, 0])) == [1, 0]:
             return w, 1 - trans_b, [t]
