@@ -47,6 +47,7 @@ from tkopt.kernels.gated_gemm import gated_mlp  # noqa: E402
 from tkopt.kernels.gemm_epilogue import (  # noqa: E402
     FP32_TUNE_CANDIDATES,
     TUNE_CANDIDATES,
+    _tiles,
     _valid,
     compiled_kernel,
     gemm,
@@ -234,7 +235,7 @@ def schedule_configs(M: int, N: int, sms: int) -> list[TileConfig]:
     cands = [TileConfig(**c) for c in tuning_space("sm90", M, N, torch.float16, sms=sms)[1]]
     pingpong = [TileConfig((bm, bn, 64), warp_tile=(bm // 4, bn), stages=s, threads=256, overlap=True,
                            persistent=sms, pingpong=True) for bm, bn, s in ((128, 128, 4), (128, 192, 3), (64, 256, 3))]
-    return cands + [c for c in pingpong if -(-M // c.bm) * -(-N // c.bn) > sms]
+    return cands + [c for c in pingpong if _tiles(M, N, c.bm, c.bn) > sms and c not in cands]
 
 
 def persistent_section() -> list[dict]:

@@ -341,6 +341,21 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
             T.mbarrier_arrive(full[s])
             step[0] = step[0] + 1
 
+    def walk(ids):
+        # a persistent block's tiles, (row tile, column tile) in the walk's order
+        return T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group)
+
+    @T.macro
+    def produce_tiles(ids, A, B, B2, A_s, B_s, B2_s, full, empty, step):
+        # the producer warpgroup of a persistent block: every tile's K steps, in the walk's order
+        T.dec_max_nreg(24)
+        row = T.alloc_var("int32")
+        col = T.alloc_var("int32")
+        for by, bx in walk(ids):
+            row = by
+            col = bx
+            produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, col, row)
+
     @T.macro
     def consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step):
         T.clear(C_l)
@@ -367,7 +382,7 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
         # warpgroup starts on tile t's steps only once tile t - 1's have all been taken.
         row = T.alloc_var("int32")
         col = T.alloc_var("int32")
-        for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group):
+        for by, bx in walk(ids):
             row = by
             col = bx
             if tiles[0] % 2 == w:
@@ -397,14 +412,8 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
             step[0] = 0
             tiles = T.alloc_local((1,), "int32")  # tiles of the block walked so far
             tiles[0] = 0
-            row = T.alloc_var("int32")
-            col = T.alloc_var("int32")
             with T.ws(2):
-                T.dec_max_nreg(24)
-                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group):
-                    row = by
-                    col = bx
-                    produce(A, B, None, A_s, B_s, None, full, empty, step, col, row)
+                produce_tiles(ids, A, B, None, A_s, B_s, None, full, empty, step)
             with T.ws(0):
                 T.inc_max_nreg(240)
                 take_turns(0, ids, A_s, B_s, C_s, C_l0, full, empty, done, step, tiles, Bias, R, C)
@@ -426,19 +435,13 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
             step = T.alloc_local((1,), "int32")  # a buffer: the macros below advance it
             step[0] = 0
             if persistent:
-                row = T.alloc_var("int32")
-                col = T.alloc_var("int32")
                 with T.ws(producer):
-                    T.dec_max_nreg(24)
-                    for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids,
-                                               group_size=group):
-                        row = by
-                        col = bx
-                        produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, col, row)
+                    produce_tiles(ids, A, B, B2, A_s, B_s, B2_s, full, empty, step)
                 with T.ws(*consumers):
                     T.inc_max_nreg(240)
-                    for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids,
-                                               group_size=group):
+                    row = T.alloc_var("int32")
+                    col = T.alloc_var("int32")
+                    for by, bx in walk(ids):
                         row = by
                         col = bx
                         consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step)
@@ -903,7 +906,7 @@ TUNE_CANDIDATES = {
     # sm90: the two wide tiles on TileLang's pipeline; the 128x128 and 128x192 tiles on the overlap pipeline, each
     # consumer warpgroup one m64 x bn wgmma; the 128x128 pingpong tile. On an H100 (2026-12-06, bench_gemm.py
     # --persistent and benchmarks/tuning_db.py): 128x192 persistent was the fastest kernel at BERT's and GPT-2's
-    # projections, the wide tiles at Llama's 2048 columns, pingpong at 4 of the models' 38 GEMM keys (by up to 5%)
+    # projections, the wide tiles at Llama's 2048 columns, pingpong at 4 of the models' 37 GEMM keys (by up to 5%)
     "sm90": [
         dict(block_tile=(128, 256, 64), stages=3, threads=256),
         dict(block_tile=(256, 128, 64), stages=3, threads=256),
@@ -971,8 +974,8 @@ def _tiles(M: int, N: int, bm: int, bn: int) -> int:
 def _persistent_beyond_one_wave(cand: dict, M: int, N: int, sms: int) -> dict:
     """An overlap-pipeline candidate as a persistent kernel where its grid (at M's tuning bucket) is more than one
     wave. On an H100 (2026-12-06, benchmarks/bench_gemm.py --persistent) the persistent 128x128 and 128x192
-    overlap kernels ran 1.02-1.17x their one-block-per-tile selves at BERT's and GPT-2's 8192-row projections,
-    where the wide tiles on TileLang's pipeline ran 0.86-1.06x theirs; at one wave or less it only adds the walk."""
+    overlap kernels ran 1.02-1.16x their one-block-per-tile selves at BERT's and GPT-2's 8192-row projections,
+    where the wide tiles on TileLang's pipeline ran 0.85-1.05x theirs; at one wave or less it only adds the walk."""
     if not cand.get("overlap") or _tiles(M, N, *cand["block_tile"][:2]) <= sms:
         return cand
     return {**cand, "persistent": sms}
