@@ -19,8 +19,9 @@ class LinearAddNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention written out: three projections of one signature (FusedGemm), SDPA on
-    transposed views (FusedAttention reading BSHD memory) and an output projection with the residual."""
+    """Multi-head self-attention written out: three projections of one input (FusedGemmGroup; three FusedGemm of
+    one signature with gemm_group off), SDPA on transposed views (FusedAttention reading BSHD memory) and an output
+    projection with the residual."""
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()

@@ -45,11 +45,12 @@ def caches(tmp_path, monkeypatch):
 
 def _fused(dtype: torch.dtype, batch: int = 2, seq: int = 48, hidden: int = 256) -> tuple[list[Node], tuple, Graph]:
     """SelfAttention's fused nodes, exported with a dynamic sequence at (batch, seq, hidden): GEMMs of
-    M = batch * seq rows and attention of head dim 64; the example inputs; the graph."""
+    M = batch * seq rows and attention of head dim 64; the example inputs; the graph. The q, k and v projections
+    stay three GEMMs of one signature (gemm_group off): what these tests plan."""
     model = SelfAttention(hidden, hidden // 64).to(dtype).eval()
     x = torch.randn(batch, seq, hidden, dtype=dtype)
     graph = import_fx(torch.export.export(model, (x,), dynamic_shapes=({1: torch.export.Dim.AUTO},)))
-    run_passes(graph, ())
+    run_passes(graph, ("gemm_group",))
     return [n for n in graph.nodes if n.is_fused], (x,), graph
 
 

@@ -8,13 +8,13 @@ import pytest
 from tkopt.cli import main
 from tkopt.coverage import cases, run
 
-# (model, entry point) -> fusions per layer: attention, norm, GEMM-family (gemm + gated_mlp)
+# (model, entry point) -> fusions per layer: attention, norm, GEMM-family (gemm + gemm_group + gated_mlp)
 EXPECTED = {
     ("nn.TransformerEncoderLayer", "compile"): (1, 2, 4),
-    ("nn.TransformerEncoderLayer", "backend"): (1, 2, 6),  # eval fast path: q, k, v projected apart
+    ("nn.TransformerEncoderLayer", "backend"): (1, 2, 4),  # eval fast path: q, k, v projected apart, one group
     ("nn.TransformerEncoderLayer", "backend_train"): (1, 2, 4),
     ("nn.TransformerEncoderLayer", "onnx_static"): (1, 2, 4),
-    ("blocks.llama_block", "onnx_torchscript"): (1, 2, 6),
+    ("blocks.llama_block", "onnx_torchscript"): (1, 2, 4),  # q, k, v one group; o, down; gate/up one gated MLP
 }
 
 

@@ -14,6 +14,7 @@ import torch
 import tkopt
 from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 from tkopt.models.export import export_onnx
+from tkopt.models.hf import EXPECTED_FUSIONS as HF_EXPECTED_FUSIONS
 
 FRONTENDS = ("fx", "onnx_dynamo", "onnx_torchscript")
 
@@ -52,15 +53,8 @@ def _check_fusions_and_parity(model, inputs, expected: dict[str, int], frontend:
 
 
 # transformers' models from tiny random configs (2 layers): the same fusions from every frontend.
-HF_EXPECTED = {
-    # per layer q, k, v, attn-out, ffn-in(+gelu), ffn-out = 6 GEMMs; embedding LN + 2 post-norms per layer.
-    "hf_bert": {"attention": 2, "add_norm": 5, "gemm": 12, "gated_mlp": 0},
-    # per layer c_attn (qkv), c_proj, c_fc(+gelu_tanh), mlp c_proj = 4 GEMMs; ln_1, ln_2 per layer + ln_f.
-    "hf_gpt2": {"attention": 2, "add_norm": 5, "gemm": 8, "gated_mlp": 0},
-    # per layer q, k, v, o, down = 5 GEMMs and 1 SwiGLU; 2 RMSNorms per layer + the final norm; GQA.
-    "hf_llama": {"attention": 2, "add_norm": 5, "gemm": 10, "gated_mlp": 2},
-}
-HF_CASES = [(n, "eager", f) for n in HF_EXPECTED for f in FRONTENDS] + [(n, "sdpa", "fx") for n in HF_EXPECTED]
+HF_CASES = [(n, "eager", f) for n in HF_EXPECTED_FUSIONS for f in FRONTENDS]
+HF_CASES += [(n, "sdpa", "fx") for n in HF_EXPECTED_FUSIONS]
 
 
 @pytest.mark.parametrize("name,impl,frontend", HF_CASES)
@@ -69,4 +63,4 @@ def test_transformers_models(name: str, impl: str, frontend: str, tmp_path, monk
     pytest.importorskip("transformers")
     monkeypatch.setenv("TKOPT_KERNELS", "reference")
     model, inputs = getattr(hf, name)(impl)
-    _check_fusions_and_parity(model, inputs, HF_EXPECTED[name], frontend, tmp_path / f"{name}.onnx")
+    _check_fusions_and_parity(model, inputs, HF_EXPECTED_FUSIONS[name], frontend, tmp_path / f"{name}.onnx")

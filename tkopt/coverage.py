@@ -7,8 +7,8 @@ in training, the dynamo ONNX export with static and with dynamic shapes, and the
 The torch entry points get each model as users call it (transformers' output classes and caches
 included); the ONNX exporters get it as plain tensors in, its first output out (`TensorsIn`).
 
-Per cell: whether it ran, the fusions per layer by family (attention / norm / GEMM-family: gemm and
-gated_mlp), the largest relative error against eager over every output (and, in training, every
+Per cell: whether it ran, the fusions per layer by family (attention / norm / GEMM-family: gemm, gemm_group
+and gated_mlp), the largest relative error against eager over every output (and, in training, every
 parameter's gradient, relative to the largest one), and the refusal reasons. Fused ops run their
 torch references (TKOPT_KERNELS=reference): the matrix checks the graph side, in float32, against 1e-5.
 `tkopt coverage --out FILE` writes it as Markdown.
@@ -39,7 +39,7 @@ ENTRIES = {
     "onnx_dynamic": "ONNX dynamo dynamic",
     "onnx_torchscript": "ONNX TorchScript",
 }
-FAMILIES = {"attention": ("attention",), "norm": ("add_norm",), "gemm": ("gemm", "gated_mlp")}
+FAMILIES = {"attention": ("attention",), "norm": ("add_norm",), "gemm": ("gemm", "gemm_group", "gated_mlp")}
 
 
 @dataclass
@@ -379,8 +379,8 @@ def markdown(rows: list[Case], cells: list[Cell], command: str) -> str:
         "",
         "Each cell: ✓ when it ran, matched eager within 1e-5 (relative, every output; in training also every "
         "parameter's gradient, relative to the largest one) and fused each family the model holds at least once "
-        "per layer; then the fusions per layer as attention/norm/GEMM-family (gemm + gated_mlp) and the largest "
-        "relative error. \"export failed\": torch's exporter failed on the model (tkopt never saw it).",
+        "per layer; then the fusions per layer as attention/norm/GEMM-family (gemm + gemm_group + gated_mlp) and the "
+        "largest relative error. \"export failed\": torch's exporter failed on the model (tkopt never saw it).",
         "",
         "| model | " + " | ".join(ENTRIES[e] for e in cols) + " |",
         "| --- | " + " | ".join("---" for _ in cols) + " |",

@@ -378,10 +378,10 @@ def test_precision_in_compile_and_tuning_keys(restore_precision):
     cfg = TileConfig((128, 128, 32), stages=2, threads=256)
     simt = TileConfig((128, 128, 16), threads=256, use_tensorcore=False)
     # fp32 on tensor cores: one kernel per precision; SIMT, 16-bit and cpu ignore it (one kernel)
-    assert kernel_key("sm90", 64, 64, torch.float32, cfg, precision="tf32")[-1] == "tf32"
-    assert kernel_key("sm90", 64, 64, torch.float32, cfg, precision="ieee")[-1] == "ieee"
-    assert kernel_key("sm90", 64, 64, torch.float32, simt, precision="tf32")[-1] == "ieee"
-    assert kernel_key("sm90", 64, 64, torch.float16, default_config("sm90", "float16"), precision="tf32")[-1] == "ieee"
+    assert kernel_key("sm90", 64, 64, torch.float32, cfg, precision="tf32")[11] == "tf32"
+    assert kernel_key("sm90", 64, 64, torch.float32, cfg, precision="ieee")[11] == "ieee"
+    assert kernel_key("sm90", 64, 64, torch.float32, simt, precision="tf32")[11] == "ieee"
+    assert kernel_key("sm90", 64, 64, torch.float16, default_config("sm90", "float16"), precision="tf32")[11] == "ieee"
     assert fp32_precision("cpu", torch.float32) == "ieee"
     torch.set_float32_matmul_precision("high")
     assert fp32_precision("sm90", torch.float32) == "tf32" and fp32_precision("sm90", torch.float16) == "ieee"

@@ -70,7 +70,7 @@ def test_runs_deterministically(name):
 def test_expected_fusions_cover_all_models():
     assert set(blocks.EXPECTED_FUSIONS) == set(blocks.REFERENCE_MODELS)
     for counts in blocks.EXPECTED_FUSIONS.values():
-        assert set(counts) == {"attention", "add_norm", "gemm", "gated_mlp"}
+        assert set(counts) == {"attention", "add_norm", "gemm", "gemm_group", "gated_mlp"}
 
 
 def test_sdpa_variant_matches_manual_attention():

@@ -11,12 +11,7 @@ import pytest
 import tkopt
 from tkopt.models.blocks import EXPECTED_FUSIONS, REFERENCE_MODELS
 from tkopt.models.export import export_onnx
-
-HF_EXPECTED = {
-    "hf_bert": {"attention": 2, "add_norm": 5, "gemm": 12, "gated_mlp": 0},
-    "hf_gpt2": {"attention": 2, "add_norm": 5, "gemm": 8, "gated_mlp": 0},
-    "hf_llama": {"attention": 2, "add_norm": 5, "gemm": 10, "gated_mlp": 2},
-}
+from tkopt.models.hf import EXPECTED_FUSIONS as HF_EXPECTED_FUSIONS
 
 
 def _check(path, expected: dict[str, int], tmp_path) -> None:
@@ -39,10 +34,10 @@ def test_reference_model_runs_on_native_library(name: str, tmp_path) -> None:
     _check(path, EXPECTED_FUSIONS[name], tmp_path)
 
 
-@pytest.mark.parametrize("name", sorted(HF_EXPECTED))
+@pytest.mark.parametrize("name", sorted(HF_EXPECTED_FUSIONS))
 def test_transformers_model_runs_on_native_library(name: str, tmp_path) -> None:
     hf = pytest.importorskip("tkopt.models.hf")
     pytest.importorskip("transformers")
     model, inputs = getattr(hf, name)("eager")
     path = export_onnx(model, inputs, tmp_path / f"{name}.onnx", dynamo=False)
-    _check(path, HF_EXPECTED[name], tmp_path)
+    _check(path, HF_EXPECTED_FUSIONS[name], tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tkopt.passes.gemm import gated_mlp, gemm
+from tkopt.passes.gemm import gated_mlp, gemm, gemm_group
 from tkopt.passes.pipeline import run_passes
 from tkopt.passes.recognize import recognize_gelu, recognize_silu
 
@@ -237,9 +237,78 @@ def test_decomposed_linear_between_reshapes_takes_its_epilogue():
     assert node.attrs == {"trans_b": 1, "activation": "gelu_tanh"}
 
 
+# ---- grouped projections -------------------------------------------------------------------------
+
+def _linear(b: Builder, x, n: int, name: str, bias: bool = True):
+    y = b.op("MatMul", x, b.op("Transpose", b.param(n, X[-1], name=f"w{name}"), perm=[1, 0]))
+    return b.op("Add", y, b.param(n, name=f"b{name}")) if bias else y
+
+
+def test_projections_of_one_input_become_one_group():
+    """A layer's Q, K and V (GQA widths) of one input: one FusedGemmGroup reading the three weights in place, its
+    outputs the projections' own values."""
+    b = Builder()
+    x = b.input("x", X)
+    outs = [_linear(b, x, n, name) for n, name in ((16, "q"), (4, "k"), (4, "v"))]
+    for y in outs:
+        b.output(b.op("Relu", b.op("Reshape", y, shape=[2, 3, 2, -1])))
+    _fused_same(b, gemm_group, gemm, want_ops=["FusedGemmGroup", "Reshape", "Relu", "Reshape", "Relu", "Reshape",
+                                              "Relu"])
+    node = b.graph.nodes[0]
+    assert [v.name for v in node.inputs] == ["x", "wq", "wk", "wv", "bq", "bk", "bv"]
+    assert node.outputs == outs and node.attrs == {"trans_b": 1}
+
+
+def test_two_projections_group_and_a_fourth_is_a_gemm():
+    """Four projections of one input: the first three group, the fourth is a plain GEMM; K and V alone group in
+    two (the third weight absent)."""
+    b = Builder()
+    x = b.input("x", X)
+    for name in "qkvo":
+        b.output(_linear(b, x, 8, name))
+    _fused_same(b, gemm_group, gemm, want_ops=["FusedGemmGroup", "FusedGemm"])
+    b = Builder()
+    x = b.input("x", X)
+    for name in "kv":
+        b.output(_linear(b, x, 8, name, bias=False))
+    _fused_same(b, gemm_group, gemm, want_ops=["FusedGemmGroup"])
+    assert b.graph.nodes[0].inputs[3:] == [None] * 4 and len(b.graph.nodes[0].outputs) == 2
+
+
+def test_a_projection_with_an_activation_or_residual_stays_a_gemm():
+    """The GEMM rule fuses an activation or a residual into its projection: those are not grouped."""
+    b = Builder()
+    x, res = b.input("x", X), b.input("res", (2, 3, 8))
+    b.output(_linear(b, x, 8, "q"))
+    b.output(_linear(b, x, 8, "k"))
+    b.output(b.op("Relu", _linear(b, x, 8, "u")))
+    b.output(b.op("Add", _linear(b, x, 8, "r"), res))
+    _fused_same(b, gemm_group, gemm, want_ops=["FusedGemmGroup", "FusedGemm", "FusedGemm"])
+    assert [n.attrs.get("activation") for n in b.graph.nodes[1:]] == ["relu", "none"]
+    assert b.graph.nodes[2].inputs[3].name == "res"
+
+
+def test_projections_differing_in_bias_or_input_are_not_grouped():
+    """Without a bias beside two with one, a projection is refused from the group by name; projections of
+    different inputs never group."""
+    b = Builder()
+    x = b.input("x", X)
+    b.output(_linear(b, x, 8, "q"))
+    b.output(_linear(b, x, 8, "k", bias=False))
+    b.output(_linear(b, x, 8, "v"))
+    r = _fused_same(b, gemm_group, gemm, want_ops=["FusedGemm", "FusedGemmGroup"])
+    assert [n.name for n in b.graph.nodes[1].inputs[1:3]] == ["wq", "wv"]
+    assert "FusedGemmGroup not formed for wk: the other projections of x differ in weight layout or bias" in reasons(r)
+    b = Builder()
+    x, z = b.input("x", X), b.input("z", X)
+    b.output(_linear(b, x, 8, "q"))
+    b.output(_linear(b, z, 8, "k"))
+    _fused_same(b, gemm_group, gemm, want_ops=["FusedGemm", "FusedGemm"])
+
+
 # ---- real exports ------------------------------------------------------------------------------
 
-MINE = ("add_norm", "gemm", "gated_mlp")
+MINE = ("add_norm", "gemm", "gemm_group", "gated_mlp")
 REAL = [("mlp", "torchscript"), ("bert_layer", "torchscript"), ("gpt2_block", "torchscript"),
         ("llama_block", "torchscript"), ("gpt2_block", "fx"), ("llama_block", "fx"),
         pytest.param("gpt2_block", "fx_decomposed", marks=pytest.mark.slow), ("llama_block", "fx_decomposed"),
@@ -275,5 +344,6 @@ def test_disabling_passes_on_a_real_model():
     _, rep = optimize_onnx(exported("llama_block", "torchscript"), disable=["add_norm", "gated_mlp"],
                            report=False, check_accuracy=True)
     assert rep.accuracy.ok and "add_norm" not in rep.passes.fusions and "gated_mlp" not in rep.passes.fusions
-    assert rep.passes.fusions["gemm"] == 7  # gate and up projections become plain GEMMs (gate + silu)
+    # gate (+ silu) and up become plain GEMMs beside o and down; q, k and v one group
+    assert rep.passes.fusions["gemm"] == 4 and rep.passes.fusions["gemm_group"] == 1
     assert rep.passes.edits.get("finalize", 0) >= 2  # the unused RMSNorm stand-ins were expanded back

@@ -161,6 +161,8 @@ def test_opcheck_all_custom_ops():
     q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)  # GQA
     cases = [
         (op.fused_gemm, (x, w, b, torch.randn(2, 3, 5), 1, "gelu")),
+        (op.fused_gemm_group, (x, w, torch.randn(3, 8), torch.randn(3, 8), b, torch.randn(3), torch.randn(3), 1)),
+        (op.fused_gemm_group, (x, torch.randn(8, 5), torch.randn(8, 2), None, None, None, None, 0)),  # no third
         (op.fused_gated_mlp, (x, w, w.clone(), b, None, 1, "silu", 0)),
         (op.fused_attention, (q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2),
                               torch.ones(6, 6, dtype=torch.bool).tril(), None, 0.0, 0, "bshd", 1.0, -1e4, "none", 0)),
@@ -184,6 +186,9 @@ def test_custom_op_backward_matches_finite_differences():
     cases = [
         (op.fused_gemm, (x, w, b, torch.randn(2, 3, 5, **d), 1, "gelu")),
         (op.fused_gemm, (x, torch.randn(8, 5, **d), None, None, 0, "silu")),
+        (op.fused_gemm_group, (x, w, torch.randn(3, 8, **d), torch.randn(2, 8, **d), b, torch.randn(3, **d),
+                               torch.randn(2, **d), 1)),
+        (op.fused_gemm_group, (x, torch.randn(8, 5, **d), torch.randn(8, 2, **d), None, None, None, None, 0)),
         (op.fused_gated_mlp, (x, w, torch.randn(5, 8, **d), b, None, 1, "silu", 0)),
         (op.fused_attention, (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                               torch.ones(6, 6, dtype=torch.bool).tril(), None, 0.0, 0, "bshd", 1.0, float("-inf"),

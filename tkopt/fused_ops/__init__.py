@@ -1,6 +1,6 @@
 """The fused ops (domain "tkopt"): one module per op, and the registry every other layer derives from.
 
-A fused op is one unit. Its module (`gemm.py`, `gated_mlp.py`, `attention.py`, `add_norm.py`) defines
+A fused op is one unit. Its module (`gemm.py`, `gemm_group.py`, `gated_mlp.py`, `attention.py`, `add_norm.py`) defines
 one `FusedOp` (base.py), named `OP`: its positional inputs and outputs (optional ones named), its
 attributes with defaults, its output-shape rule, its torch reference (the one statement of its
 semantics, on `tkopt.kernels.reference`), its kernel adapter (torch tensors to `tkopt.kernels`), its build
@@ -26,7 +26,7 @@ from typing import Any
 
 from .base import FLOAT_DTYPES, FusedOp, ProgramSpec, Tensor, Unservable
 
-_MODULES = ("gemm", "gated_mlp", "attention", "add_norm")
+_MODULES = ("gemm", "gemm_group", "gated_mlp", "attention", "add_norm")
 
 SCHEMAS: dict[str, FusedOp] = {
     op.name: op for op in (importlib.import_module(f"{__name__}.{m}").OP for m in _MODULES)

@@ -13,6 +13,7 @@ _EXPORTS = {
     "gemm": "gemm_epilogue",
     "gemm_custom": "gemm_epilogue",
     "gated_mlp": "gated_gemm",
+    "gemm_group": "grouped_gemm",
     "flash_attention": "attention",
     "add_layer_norm": "norm",
     "add_rms_norm": "norm",

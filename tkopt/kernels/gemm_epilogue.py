@@ -93,8 +93,9 @@ def gemm_program(
     gated: bool = False,
     m: int | None = None,
     precision: str = "ieee",
+    groups: tuple[int, ...] = (),
 ):
-    """The GEMM (or gated two-GEMM) program for one set of compile-time keys (see the module docstring)."""
+    """The GEMM (or gated two-GEMM, or grouped) program for one set of compile-time keys (module docstring)."""
     import tilelang.language as T
 
     dtype = dtype_name(dtype)
@@ -102,13 +103,94 @@ def gemm_program(
     if act not in ACTIVATIONS:
         raise UnsupportedError(f"act: unknown activation {act!r}; expected one of {ACTIVATIONS}")
     math_kind = config.math(arch, dtype, precision)
+    if groups:
+        problem = group_problem(arch, N, groups, config, math_kind, act, has_residual, gated)
+        if problem:
+            raise UnsupportedError(f"grouped GEMM: {problem}")
     flags = (b_transposed, has_bias, act, has_residual, gated, m)
     if math_kind == "cpu":
-        return _cpu_program(N, K, dtype, config, *flags)
+        return _cpu_program(N, K, dtype, config, *flags, groups=groups)
     if math_kind == "simt":
         return _simt_program(N, K, dtype, config, *flags)
     return _gpu_program(N, K, dtype, config, *flags, split=math_kind == "tf32x3",
-                        policy=T.GemmWarpPolicy(config.warp_policy(arch, dtype)))
+                        policy=T.GemmWarpPolicy(config.warp_policy(arch, dtype)), groups=groups)
+
+
+def group_problem(arch: str, N: int, groups: tuple[int, ...], config: TileConfig, math_kind: str,
+                  act: str | None = None, has_residual: bool = False, gated: bool = False) -> str | None:
+    """Why a grouped GEMM (`groups`: each weight's N) has no program with these keys, or None. Grouped: two or
+    three weights read the same A, each with its own bias and output; no activation, residual or gate (Q/K/V).
+    On sm90 it takes the overlap pipeline: TileLang's own lowers one pipelined loop per group and fails on the
+    stage buffers of the second."""
+    if len(groups) not in (2, 3) or sum(groups) != N or min(groups) < 1:
+        return f"groups {groups} must be two or three positive widths summing to N={N}"
+    if act is not None or has_residual or gated:
+        return "its epilogue is a bias at most (no activation, residual or gate)"
+    if math_kind in ("simt", "tf32x3"):
+        return f"the {math_kind} program has no grouped form"
+    if arch == "sm90" and not config.overlap:
+        return "on sm90 it needs the overlap pipeline (TileConfig.overlap)"
+    if config.pingpong:
+        return "a pingpong kernel's warpgroups walk tiles of one weight"
+    return None
+
+
+def _dispatcher(N: int, groups: tuple[int, ...], bn: int):
+    """(column tiles, a macro `dispatch(col, row, A, B, Bias, C, fn, *args)`) running fn(col, row, A, B, Bias, C,
+    *args) on column tile `col`. Grouped, B, Bias and C are tuples of the groups' buffers (None: a side of the
+    kernel that does not read them), and fn gets the group's own, with `col` counted from the group's first tile."""
+    import tilelang.language as T
+
+    if not groups:
+        @T.macro
+        def direct(col, row, A, B, Bias, C, fn, *args):
+            fn(col, row, A, B, Bias, C, *args)
+
+        return -(-N // bn), direct
+    n_tiles, per_group = _per_group(groups, bn)
+
+    @T.macro
+    def of_group(g, col, row, A, Bs, Biases, Cs, fn, *args):
+        fn(col, row, A, _member(Bs, g), _member(Biases, g), _member(Cs, g), *args)
+
+    @T.macro
+    def grouped(col, row, A, B, Bias, C, fn, *args):
+        per_group(col, of_group, row, A, B, Bias, C, fn, *args)
+
+    return n_tiles, grouped
+
+
+def _member(group_buffers, g):
+    """Group g's buffer of a tuple, None where the tuple is (a side of the kernel that does not read it)."""
+    return None if group_buffers is None else group_buffers[g]
+
+
+def _per_group(groups: tuple[int, ...], bn: int):
+    """(column tiles of all groups, a macro `per_group(col, fn, *args)` calling fn(g, col - start of group g,
+    *args) for the group g that column tile `col` falls in). Each group's columns start on a tile of their own,
+    so a tile never straddles two weights."""
+    import tilelang.language as T
+
+    tiles = [-(-n // bn) for n in groups]
+    starts = [sum(tiles[:g]) for g in range(len(groups))]
+
+    @T.macro
+    def two(col, fn, *args):
+        if col < starts[1]:
+            fn(0, col, *args)
+        else:
+            fn(1, col - starts[1], *args)
+
+    @T.macro
+    def three(col, fn, *args):
+        if col < starts[1]:
+            fn(0, col, *args)
+        elif col < starts[2]:
+            fn(1, col - starts[1], *args)
+        else:
+            fn(2, col - starts[2], *args)
+
+    return sum(tiles), two if len(groups) == 2 else three
 
 
 def _epilogue(acc, acc2, bias_v, bias2_v, res_v, act, gated, acc_dt):
@@ -158,7 +240,7 @@ def _tf32x3_sum(big, small):
     return T.if_then_else(finite, big + small, big)  # (not big - big == 0: TIR's simplifier folds that to true)
 
 
-def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, split, policy):
+def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, split, policy, groups=()):
     import tilelang.language as T
 
     bm, bn, bk = cfg.block_tile
@@ -239,15 +321,21 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
                 mma(A_s, B2_s, C2_l, C2_lo, A_hi, A_lo, B2_hi, B2_lo)
         finish(bx, by, Bias, Bias2, R, C, C_s, C_l, C_lo, C2_l, C2_lo, 0)
 
+    n_tiles, dispatch = _dispatcher(N, groups, bn)
     # persistent: that many resident blocks walk the tiles, so that the loads of a block's next tile start while
     # it finishes the last one; else one block per tile. The walk goes in panels of `group` column tiles: a group
     # that does not divide the column tiles pads each panel with empty slots, which unbalances the blocks' work.
-    grid = (persistent,) if persistent else (T.ceildiv(N, bn), T.ceildiv(M, bm))
-    group = max(g for g in range(1, max(swizzle, 1) + 1) if -(-N // bn) % g == 0)
+    grid = (persistent,) if persistent else (n_tiles, T.ceildiv(M, bm))
+    group = max(g for g in range(1, max(swizzle, 1) + 1) if n_tiles % g == 0)
 
     if overlap:
-        return _signature(_overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish, policy),
-                          M, N, K, dtype, b_shape, has_bias, has_res, gated)
+        body = _overlap_body(M, n_tiles, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish, policy, dispatch)
+        return _group_signature(body, M, K, dtype, groups, b_t, has_bias) if groups else _signature(
+            body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
+
+    @T.macro
+    def one_tile(col, row, A, B, Bias, C, B2, Bias2, R, bufs):
+        tile(col, row, A, B, B2, Bias, Bias2, R, C, *bufs)
 
     @T.macro
     def body(A, B, B2, Bias, Bias2, R, C):
@@ -277,15 +365,17 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
                 # walk's divisions by the (dynamic) row-tile count, and ptxas spills the unrolled epilogue
                 row = T.alloc_var("int32")
                 col = T.alloc_var("int32")
-                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group):
+                for by, bx in T.Persistent([T.ceildiv(M, bm), n_tiles], persistent, ids, group_size=group):
                     row = by
                     col = bx
-                    tile(col, row, A, B, B2, Bias, Bias2, R, C, *bufs)
+                    dispatch(col, row, A, B, Bias, C, one_tile, B2, Bias2, R, bufs)
             else:
                 if swizzle > 0:
                     T.use_swizzle(panel_size=swizzle)
-                tile(ids[0], ids[1], A, B, B2, Bias, Bias2, R, C, *bufs)
+                dispatch(ids[0], ids[1], A, B, Bias, C, one_tile, B2, Bias2, R, bufs)
 
+    if groups:
+        return _group_signature(body, M, K, dtype, groups, b_t, has_bias)
     return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
 
 
@@ -311,7 +401,7 @@ def _overlap_loads(b_t, gated, bm, bn, bk):
     return loads
 
 
-def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish, policy):
+def _overlap_body(M, n_tiles, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish, policy, dispatch):
     """The sm90 kernel of TileConfig.overlap: a TMA producer warpgroup (the last) and cfg.threads of consumer
     warpgroups, written out because TileLang's own pipeline waits for each K step's wgmma group before it gives
     the stage back. Here a consumer issues step g's group, waits until only that one is in flight, and only
@@ -320,7 +410,8 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
     stage and barrier phase. TileLang's thread-sync pass would put a __syncthreads between the two sides
     (deadlock), so it is off for this kernel (OVERLAP_PASS_CONFIGS) and the consumers' syncs around the staged
     output tile are placed by `finish`. With cfg.pingpong the two consumer warpgroups take whole tiles in turn
-    (`take_turns`) instead of sharing each one."""
+    (`take_turns`) instead of sharing each one. `dispatch` picks a grouped GEMM's weight, bias and output by
+    column tile (_gpu_program), where the producer loads and the consumers store."""
     import tilelang.language as T
 
     bm, bn, bk = cfg.block_tile
@@ -341,9 +432,17 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
             T.mbarrier_arrive(full[s])
             step[0] = step[0] + 1
 
+    @T.macro
+    def produce_one(col, row, A, B, Bias, C, B2, A_s, B_s, B2_s, full, empty, step):
+        produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, col, row)
+
+    @T.macro
+    def finish_one(col, row, A, B, Bias, C, Bias2, R, C_s, C_l, C2_l):
+        finish(col, row, Bias, Bias2, R, C, C_s, C_l, None, C2_l, None, _CONSUMER_BARRIER)
+
     def walk(ids):
         # a persistent block's tiles, (row tile, column tile) in the walk's order
-        return T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], persistent, ids, group_size=group)
+        return T.Persistent([T.ceildiv(M, bm), n_tiles], persistent, ids, group_size=group)
 
     @T.macro
     def produce_tiles(ids, A, B, B2, A_s, B_s, B2_s, full, empty, step):
@@ -354,7 +453,7 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
         for by, bx in walk(ids):
             row = by
             col = bx
-            produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, col, row)
+            dispatch(col, row, A, B, None, None, produce_one, B2, A_s, B_s, B2_s, full, empty, step)
 
     @T.macro
     def consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step):
@@ -445,17 +544,17 @@ def _overlap_body(M, N, K, dtype, cfg, b_t, grid, group, gated, bs_shape, finish
                         row = by
                         col = bx
                         consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step)
-                        finish(col, row, Bias, Bias2, R, C, C_s, C_l, None, C2_l, None, _CONSUMER_BARRIER)
+                        dispatch(col, row, A, None, Bias, C, finish_one, Bias2, R, C_s, C_l, C2_l)
             else:
                 if cfg.swizzle > 0:
                     T.use_swizzle(panel_size=cfg.swizzle)
                 with T.ws(producer):
                     T.dec_max_nreg(24)
-                    produce(A, B, B2, A_s, B_s, B2_s, full, empty, step, ids[0], ids[1])
+                    dispatch(ids[0], ids[1], A, B, None, None, produce_one, B2, A_s, B_s, B2_s, full, empty, step)
                 with T.ws(*consumers):
                     T.inc_max_nreg(240)
                     consume(A_s, B_s, B2_s, C_l, C2_l, full, empty, step)
-                    finish(ids[0], ids[1], Bias, Bias2, R, C, C_s, C_l, None, C2_l, None, _CONSUMER_BARRIER)
+                    dispatch(ids[0], ids[1], A, None, Bias, C, finish_one, Bias2, R, C_s, C_l, C2_l)
 
     return pingpong if cfg.pingpong else body
 
@@ -559,7 +658,7 @@ def _simt_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
     return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
 
 
-def _cpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
+def _cpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, groups=()):
     import tilelang.language as T
     from tilelang.cpu.language import Kernel as CpuKernel
 
@@ -567,45 +666,90 @@ def _cpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
     M = T.dynamic("m") if m is None else m
     acc_dt = dtype  # float32 or float64: accumulate in the input precision (fp64 stays fp64)
     b_shape = (N, K) if b_t else (K, N)
+    n_tiles, dispatch = _dispatcher(N, groups, bn)
+
+    @T.macro
+    def tile(bx, by, A, B, Bias, C, B2, Bias2, R):
+        N = C.shape[1]  # grouped: this group's
+        C_l = T.alloc_local((bm, bn), acc_dt)
+        C2_l = T.alloc_local((bm, bn), acc_dt)
+        for i, j in T.grid(bm, bn):
+            C_l[i, j] = T.cast(0, acc_dt)
+            C2_l[i, j] = T.cast(0, acc_dt)
+        for ko in T.serial(T.ceildiv(K, bk)):
+            for i, j, kk in T.grid(bm, bn, bk):
+                r = by * bm + i
+                c = bx * bn + j
+                kx = ko * bk + kk
+                if r < M and c < N and kx < K:
+                    if b_t:
+                        C_l[i, j] += A[r, kx] * B[c, kx]
+                        if gated:
+                            C2_l[i, j] += A[r, kx] * B2[c, kx]
+                    else:
+                        C_l[i, j] += A[r, kx] * B[kx, c]
+                        if gated:
+                            C2_l[i, j] += A[r, kx] * B2[kx, c]
+        for i, j in T.grid(bm, bn):
+            r = by * bm + i
+            c = bx * bn + j
+            if r < M and c < N:
+                C[r, c] = _epilogue(
+                    C_l[i, j],
+                    C2_l[i, j] if gated else None,
+                    Bias[c] if has_bias else None,
+                    Bias2[c] if (has_bias and gated) else None,
+                    R[r, c] if has_res else None,
+                    act,
+                    gated,
+                    acc_dt,
+                )
 
     @T.macro
     def body(A, B, B2, Bias, Bias2, R, C):
-        with CpuKernel(T.ceildiv(N, bn), T.ceildiv(M, bm)) as (bx, by):
-            C_l = T.alloc_local((bm, bn), acc_dt)
-            C2_l = T.alloc_local((bm, bn), acc_dt)
-            for i, j in T.grid(bm, bn):
-                C_l[i, j] = T.cast(0, acc_dt)
-                C2_l[i, j] = T.cast(0, acc_dt)
-            for ko in T.serial(T.ceildiv(K, bk)):
-                for i, j, kk in T.grid(bm, bn, bk):
-                    r = by * bm + i
-                    c = bx * bn + j
-                    kx = ko * bk + kk
-                    if r < M and c < N and kx < K:
-                        if b_t:
-                            C_l[i, j] += A[r, kx] * B[c, kx]
-                            if gated:
-                                C2_l[i, j] += A[r, kx] * B2[c, kx]
-                        else:
-                            C_l[i, j] += A[r, kx] * B[kx, c]
-                            if gated:
-                                C2_l[i, j] += A[r, kx] * B2[kx, c]
-            for i, j in T.grid(bm, bn):
-                r = by * bm + i
-                c = bx * bn + j
-                if r < M and c < N:
-                    C[r, c] = _epilogue(
-                        C_l[i, j],
-                        C2_l[i, j] if gated else None,
-                        Bias[c] if has_bias else None,
-                        Bias2[c] if (has_bias and gated) else None,
-                        R[r, c] if has_res else None,
-                        act,
-                        gated,
-                        acc_dt,
-                    )
+        with CpuKernel(n_tiles, T.ceildiv(M, bm)) as (bx, by):
+            dispatch(bx, by, A, B, Bias, C, tile, B2, Bias2, R)
 
+    if groups:
+        return _group_signature(body, M, K, dtype, groups, b_t, has_bias)
     return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
+
+
+def _group_signature(body, M, K, dtype, groups, b_t, has_bias):
+    """The grouped GEMM's prim_func: A, B0, B1[, B2], [Bias0, Bias1[, Bias2]], C0, C1[, C2]."""
+    import tilelang.language as T
+
+    b0_t, b1_t, b2_t = (T.Tensor((n, K) if b_t else (K, n), dtype) for n in (*groups, groups[0])[:3])
+    v0_t, v1_t, v2_t = (T.Tensor((n,), dtype) for n in (*groups, groups[0])[:3])
+    c0_t, c1_t, c2_t = (T.Tensor((M, n), dtype) for n in (*groups, groups[0])[:3])
+    a_t = T.Tensor((M, K), dtype)
+    key = (len(groups), has_bias)
+    if key == (2, False):
+
+        @T.prim_func
+        def gemm_group_kernel(A: a_t, B0: b0_t, B1: b1_t, C0: c0_t, C1: c1_t):
+            body(A, (B0, B1), None, (None, None), None, None, (C0, C1))
+
+    elif key == (2, True):
+
+        @T.prim_func
+        def gemm_group_kernel(A: a_t, B0: b0_t, B1: b1_t, Bias0: v0_t, Bias1: v1_t, C0: c0_t, C1: c1_t):
+            body(A, (B0, B1), None, (Bias0, Bias1), None, None, (C0, C1))
+
+    elif key == (3, False):
+
+        @T.prim_func
+        def gemm_group_kernel(A: a_t, B0: b0_t, B1: b1_t, B2: b2_t, C0: c0_t, C1: c1_t, C2: c2_t):
+            body(A, (B0, B1, B2), None, (None, None, None), None, None, (C0, C1, C2))
+
+    else:
+
+        @T.prim_func
+        def gemm_group_kernel(A: a_t, B0: b0_t, B1: b1_t, B2: b2_t, Bias0: v0_t, Bias1: v1_t, Bias2: v2_t, C0: c0_t,
+                              C1: c1_t, C2: c2_t):
+            body(A, (B0, B1, B2), None, (Bias0, Bias1, Bias2), None, None, (C0, C1, C2))
+
+    return gemm_group_kernel
 
 
 def _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated):
@@ -671,21 +815,21 @@ _LOCKS_LOCK = threading.Lock()
 
 
 def kernel_key(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None, has_residual=False,
-               gated=False, m=None, precision="ieee") -> tuple:
+               gated=False, m=None, precision="ieee", groups=()) -> tuple:
     """compiled_kernel's arguments as its cache key: dtype by name, stages set, precision "tf32" only where it
     changes the program (fp32 on tensor cores), so that equal programs share one compiled kernel."""
     dtype = dtype_name(dtype)
     config = config.with_stages(arch, dtype, 2 if gated else 1, precision)
     precision = "tf32" if config.math(arch, dtype, precision) == "tf32" else "ieee"
-    return (arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m, precision)
+    return (arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated, m, precision, tuple(groups))
 
 
 def _compile(key, device=None):
-    arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m, precision = key
+    arch, N, K, dtype, config, b_t, has_bias, act, has_res, gated, m, precision, groups = key
 
     def program():
         return gemm_program(arch, N, K, dtype, config, b_transposed=b_t, has_bias=has_bias, act=act,
-                            has_residual=has_res, gated=gated, m=m, precision=precision)
+                            has_residual=has_res, gated=gated, m=m, precision=precision, groups=groups)
 
     if arch == "cpu":
         import tilelang
@@ -702,11 +846,11 @@ def program_pass_configs(config: TileConfig) -> dict[str, bool]:
 
 
 def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,
-                    has_residual=False, gated=False, m=None, precision="ieee"):
+                    has_residual=False, gated=False, m=None, precision="ieee", groups=()):
     """The compiled kernel for a key, cached in memory (never recompiled in a warm process; TileLang
     also caches on disk, so a new process loads instead of compiling)."""
     return kernel_for_key(kernel_key(arch, N, K, dtype, config, b_transposed, has_bias, act, has_residual, gated,
-                                     m, precision))
+                                     m, precision, groups))
 
 
 def kernel_for_key(key: tuple, device: str | None = None):
@@ -990,17 +1134,24 @@ def _candidate(cfg: TileConfig) -> dict:
     return d
 
 
-def _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision) -> tuple:
+def _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision, groups=()) -> tuple:
     from .tuning import shape_bucket
 
-    return (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t, precision)
+    key = (shape_bucket(M), N, K, str(dtype), act, has_bias, has_res, b_t, precision)
+    return (*key, tuple(groups)) if groups else key
 
 
-def tuning_space(arch, M, N, dtype, gated=False, precision="ieee", sms=None) -> tuple[TileConfig, list[dict]]:
+def tuning_space(arch, M, N, dtype, gated=False, precision="ieee", sms=None, groups=()) -> tuple[TileConfig,
+                                                                                                list[dict]]:
     """(the default config, the tuning candidates) of a GEMM with M rows: candidates only where it tunes (a GPU
-    and M > 64). The one definition select_config and planned_kernels share."""
+    and M > 64). The one definition select_config and planned_kernels share. A grouped GEMM (`groups`) takes
+    the candidates that have a grouped program."""
     acc = 2 if gated else 1
     default = default_config(arch, dtype, accumulators=acc, m=M, n=N, sms=sms, precision=precision)
+    if groups:
+        default = group_default(arch, dtype, M, N, sms, precision, default)
+        return default, [c for c in tuning_space(arch, M, N, dtype, precision=precision, sms=sms)[1]
+                         if _group_valid(c, arch, dtype, N, groups, precision)]
     if arch == "cpu" or M <= 64:
         return default, []
     if dtype == torch.float32:
@@ -1016,18 +1167,19 @@ def tuning_space(arch, M, N, dtype, gated=False, precision="ieee", sms=None) -> 
 
 
 def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, gated=False,
-                  precision="ieee") -> TileConfig:
-    """Default config, or the tuned one (tkopt/kernels/tuning.py) for GPU GEMMs with M > 64."""
+                  precision="ieee", groups=()) -> TileConfig:
+    """Default config, or the tuned one (tkopt/kernels/tuning.py) for GPU GEMMs with M > 64. `groups`: a grouped
+    GEMM's padded widths (the kernel's), which its tuning key holds."""
     from .tuning import cached_entry, pick_config, tuning_enabled, tuning_suspended
 
     acc = 2 if gated else 1
     # The memo first: this runs on every call, and building the candidates costs ~100 us of Python.
-    key = _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision)
+    key = _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision, groups)
     mkey = (kind, arch, key, gated)
     hit = _SELECTED.get(mkey)
     if hit is not None:
         return hit
-    default, cands = tuning_space(arch, M, N, dtype, gated, precision, _sm_count(arch))
+    default, cands = tuning_space(arch, M, N, dtype, gated, precision, _sm_count(arch), groups)
     if not cands:
         _SELECTED[mkey] = default
         return default
@@ -1038,8 +1190,8 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
     if tuning_enabled(arch) and len(cands) > 1 and cached_entry(kind, arch, key) is None:
         # compile every candidate in parallel worker interpreters first (disk cache), then time them one by one;
         # a build wave ahead (planned_kernels) leaves none to compile here
-        Np, Kp = padded_nk(arch, N, K, torch.empty((), dtype=dtype).element_size())
-        precompile([(arch, Np, Kp, dtype, TileConfig(**c), b_t, has_bias, act, has_res, gated, None, precision)
+        Np, Kp, gp = _padded(arch, N, K, dtype, groups)
+        precompile([(arch, Np, Kp, dtype, TileConfig(**c), b_t, has_bias, act, has_res, gated, None, precision, gp)
                     for c in cands])
     chosen = TileConfig(**pick_config(kind, arch, key, cands, _candidate(default), bench))
     if not tuning_suspended():  # a config picked while tuning is suspended is not final
@@ -1047,23 +1199,56 @@ def select_config(kind, arch, M, N, K, dtype, act, has_bias, has_res, b_t, run, 
     return chosen
 
 
-def planned_kernels(kind, build: Build, M, N, K, dtype, act, has_bias, has_res, b_t, gated=False) -> list[Compile]:
-    """The compiles `gemm` / `gated_mlp` calls with M rows will use on `build`: the cached winner, else
-    where select_config would tune every candidate (tuning never times the default), else the default config
-    (each once, as kernel_key dedupes)."""
+def planned_kernels(kind, build: Build, M, N, K, dtype, act, has_bias, has_res, b_t, gated=False,
+                    groups=()) -> list[Compile]:
+    """The compiles `gemm` / `gated_mlp` / `gemm_group` calls with M rows will use on `build`: the cached winner,
+    else where select_config would tune every candidate (tuning never times the default), else the default config
+    (each once, as kernel_key dedupes). `groups`: a grouped GEMM's widths."""
     from .tuning import planned_configs
 
     if M == 0 or N == 0 or K == 0:
         return []
     arch = build.arch
     precision = fp32_precision(arch, dtype)
-    default, cands = tuning_space(arch, M, N, dtype, gated, precision, build.sms)
-    key = _tuning_key(M, N, K, dtype, act, has_bias, has_res, b_t, precision)
+    Np, Kp, gp = _padded(arch, N, K, dtype, groups)
+    default, cands = tuning_space(arch, M, Np, dtype, gated, precision, build.sms, gp)
+    if gp and not _group_valid(_candidate(default), arch, dtype, Np, gp, precision):
+        return []  # no grouped program: each weight's own GEMM runs (gemm_group)
+    key = _tuning_key(M, Np if gp else N, K, dtype, act, has_bias, has_res, b_t, precision, gp)
     configs = [TileConfig(**c) for c in planned_configs(kind, arch, key, cands, _candidate(default))]
-    Np, Kp = padded_nk(arch, N, K, torch.empty((), dtype=dtype).element_size())
-    keys = dict.fromkeys(kernel_key(arch, Np, Kp, dtype, c, b_t, has_bias, act, has_res, gated, None, precision)
-                         for c in configs)
+    keys = dict.fromkeys(kernel_key(arch, Np, Kp, dtype, c, b_t, has_bias, act, has_res, gated, None, precision,
+                                    gp) for c in configs)
     return [Compile.of(kernel_for_key, k, build.gpu) for k in keys]
+
+
+def _padded(arch, N, K, dtype, groups=()) -> tuple[int, int, tuple[int, ...]]:
+    """(N, K, groups) as the kernel is compiled (padded_nk): a grouped GEMM pads each weight's width, and its N
+    is their sum."""
+    e = torch.empty((), dtype=dtype).element_size()
+    Np, Kp = padded_nk(arch, N, K, e)
+    if not groups:
+        return Np, Kp, ()
+    gp = tuple(padded_nk(arch, n, K, e)[0] for n in groups)
+    return sum(gp), Kp, gp
+
+
+def group_default(arch, dtype, M, N, sms, precision, default: TileConfig) -> TileConfig:
+    """A grouped GEMM's heuristic config: on sm90 (16-bit) the first overlap tile of SMALL_M_CANDIDATES whose grid
+    covers the SMs, else the smallest (group_problem: sm90's grouped program is the overlap one); elsewhere the
+    GEMM's own default."""
+    if arch != "sm90" or default.math(arch, dtype_name(dtype), precision) != "mma":
+        return default
+    options = [TileConfig(**c) for c in SMALL_M_CANDIDATES]
+    for c in options:
+        if sms is None or _tiles(M, N, c.bm, c.bn) >= sms:
+            return c
+    return options[-1]
+
+
+def _group_valid(cand: dict, arch, dtype, N, groups, precision) -> bool:
+    """Whether a grouped GEMM has a program with tuning candidate `cand`."""
+    cfg = TileConfig(**cand)
+    return group_problem(arch, N, groups, cfg, cfg.math(arch, dtype_name(dtype), precision)) is None
 
 
 _SELECTED: dict[tuple, TileConfig] = {}

@@ -8,6 +8,7 @@ result is cast back to the input dtype, which is also what the kernels do (fp32 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,17 @@ def gemm_ref(
     if residual is not None:
         y = y + _acc(residual)
     return y.to(a.dtype)
+
+
+def gemm_group_ref(
+    a: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    b_transposed: bool = False,
+) -> list[torch.Tensor]:
+    """[a @ w + b] for each weight and bias: the GEMMs a grouped GEMM computes in one kernel."""
+    biases = [None] * len(weights) if biases is None else biases
+    return [gemm_ref(a, w, b, b_transposed=b_transposed) for w, b in zip(weights, biases, strict=True)]
 
 
 def gated_mlp_ref(

@@ -331,21 +331,22 @@ REFERENCE_MODELS: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
 # GEMM epilogue or into the following norm; either way the counts below are the same.
 EXPECTED_FUSIONS: dict[str, dict[str, int]] = {
     # fc1+bias+gelu, fc2+bias+relu, fc3+bias: three GEMMs with epilogues; nothing else.
-    "mlp": {"attention": 0, "add_norm": 0, "gemm": 3, "gated_mlp": 0},
-    # q, k, v, out, ffn_in(+gelu), ffn_out = 6 GEMMs; 1 attention with the additive padding mask;
-    # post-norm: LN(attn_out + x) and LN(ffn + x) = 2 add+LayerNorm (their Sums are not used later).
-    "bert_layer": {"attention": 1, "add_norm": 2, "gemm": 6, "gated_mlp": 0},
+    "mlp": {"attention": 0, "add_norm": 0, "gemm": 3, "gemm_group": 0, "gated_mlp": 0},
+    # q, k, v = 1 GEMM group (three projections of one input); out, ffn_in(+gelu), ffn_out = 3 GEMMs; 1 attention
+    # with the additive padding mask; post-norm: LN(attn_out + x) and LN(ffn + x) = 2 add+LayerNorm (their Sums
+    # are not used later).
+    "bert_layer": {"attention": 1, "add_norm": 2, "gemm": 3, "gemm_group": 1, "gated_mlp": 0},
     # c_attn (one qkv GEMM, split after), c_proj, c_fc(+tanh-gelu), mlp_proj = 4 GEMMs; causal
     # attention (tril buffer + where); ln_1 has no residual (plain norm), ln_2 takes x + attn and its
     # Sum feeds the final residual = 2 add_norm. The last residual add rides on mlp_proj's epilogue.
-    "gpt2_block": {"attention": 1, "add_norm": 2, "gemm": 4, "gated_mlp": 0},
+    "gpt2_block": {"attention": 1, "add_norm": 2, "gemm": 4, "gemm_group": 0, "gated_mlp": 0},
     # Same block with attention as F.scaled_dot_product_attention(is_causal=True).
-    "gpt2_block_sdpa": {"attention": 1, "add_norm": 2, "gemm": 4, "gated_mlp": 0},
-    # q, k, v, o, down = 5 GEMMs (gate/up belong to the gated MLP); silu(gate(h)) * up(h) = 1 gated
+    "gpt2_block_sdpa": {"attention": 1, "add_norm": 2, "gemm": 4, "gemm_group": 0, "gated_mlp": 0},
+    # q, k, v = 1 GEMM group; o, down = 2 GEMMs (gate/up belong to the gated MLP); silu(gate(h)) * up(h) = 1 gated
     # MLP; causal GQA attention (RoPE stays unfused, repeat_kv is absorbed or left before it);
     # input RMSNorm (no residual) + post-attention RMSNorm of x + attn (Sum used later) = 2 add_norm.
-    "llama_block": {"attention": 1, "add_norm": 2, "gemm": 5, "gated_mlp": 1},
+    "llama_block": {"attention": 1, "add_norm": 2, "gemm": 2, "gemm_group": 1, "gated_mlp": 1},
     # qkv (one GEMM), proj, fc1(+gelu), fc2 = 4 GEMMs; 1 non-causal unmasked attention (scale on q
     # before the matmul); norm1 plain, norm2 on x + attn = 2 add_norm.
-    "vit_block": {"attention": 1, "add_norm": 2, "gemm": 4, "gated_mlp": 0},
+    "vit_block": {"attention": 1, "add_norm": 2, "gemm": 4, "gemm_group": 0, "gated_mlp": 0},
 }

@@ -134,3 +134,14 @@ def hf_llama(attn_implementation: str = "eager") -> tuple[nn.Module, tuple]:
 
 
 HF_MODELS = {"hf_bert": hf_bert, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}
+# What a correct optimizer fuses in each (2 layers), from every frontend.
+EXPECTED_FUSIONS: dict[str, dict[str, int]] = {
+    # per layer q, k, v = 1 GEMM group; attn-out, ffn-in(+gelu), ffn-out = 3 GEMMs; embedding LN + 2 post-norms
+    # per layer.
+    "hf_bert": {"attention": 2, "add_norm": 5, "gemm": 6, "gemm_group": 2, "gated_mlp": 0},
+    # per layer c_attn (qkv in one weight), c_proj, c_fc(+gelu_tanh), mlp c_proj = 4 GEMMs; ln_1, ln_2 per layer +
+    # ln_f.
+    "hf_gpt2": {"attention": 2, "add_norm": 5, "gemm": 8, "gemm_group": 0, "gated_mlp": 0},
+    # per layer q, k, v = 1 GEMM group, o, down = 2 GEMMs and 1 SwiGLU; 2 RMSNorms per layer + the final norm; GQA.
+    "hf_llama": {"attention": 2, "add_norm": 5, "gemm": 4, "gemm_group": 2, "gated_mlp": 2},
+}

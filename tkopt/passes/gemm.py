@@ -282,6 +282,58 @@ def gated_mlp(graph: Graph, result: PassResult) -> None:
         result.fused += 1
 
 
+def _has_epilogue(ix: ShapedIndex, base: Base) -> bool:
+    """Whether the GEMM rule would fuse an activation or a residual add into this projection."""
+    if any(activation_name(u) is not None for u in ix.users(base.out)):
+        return True
+    add = ix.sole_user(base.out, "Add")
+    r = add and other_input(add, base.out)
+    return r is not None and shape_mismatch(ix.shapes, r, add.outputs[0]) is None and shape_mismatch(
+        ix.shapes, base.out, add.outputs[0]) is None
+
+
+def _projections(ix: ShapedIndex, graph: Graph) -> dict[int, list[Base]]:
+    """The plain projections (a 2-D weight, a bias at most) by the input they read, in graph order."""
+    by_input: dict[int, list[Base]] = {}
+    for node in [n for n in graph.nodes if is_op(n, MATMUL_OPS)]:
+        base = match_base(ix, node, None)
+        if base is None or base.residual is not None:
+            continue
+        _take_bias(ix, base)
+        if not _has_epilogue(ix, base):
+            by_input.setdefault(id(base.a), []).append(base)
+    return by_input
+
+
+@register("gemm_group", fusion=True)
+def gemm_group(graph: Graph, result: PassResult) -> None:
+    """Two or three projections of one input (a layer's Q, K and V) -> FusedGemmGroup, one launch for all. Only
+    projections whose epilogue is a bias at most: one that takes an activation or a residual is the GEMM rule's,
+    which fuses that epilogue. Projections group with those of the same weight layout and bias presence."""
+    ix = ShapedIndex(graph)
+    for members in _projections(ix, graph).values():
+        kinds: dict[tuple[int, bool], list[Base]] = {}
+        for base in members:
+            kinds.setdefault((base.trans_b, base.bias is not None), []).append(base)
+        for (trans_b, has_bias), same in kinds.items():
+            if len(same) == 1 and len(members) > 1:
+                result.refuse(same[0].nodes[-1], f"FusedGemmGroup not formed for {same[0].b.name}: the other "
+                              f"projections of {same[0].a.name} differ in weight layout or bias")
+            for chunk in (same[i:i + 3] for i in range(0, len(same), 3)):
+                if len(chunk) < 2:
+                    continue
+                weights = [b.b for b in chunk] + [None] * (3 - len(chunk))
+                biases = [b.bias for b in chunk] + [None] * (3 - len(chunk)) if has_bias else [None] * 3
+                nodes = [n for b in chunk for n in b.nodes]
+                try:
+                    fuse(graph, nodes, "FusedGemmGroup", [chunk[0].a, *weights, *biases], [b.out for b in chunk],
+                         {"trans_b": trans_b}, ix)
+                except FusionError as e:
+                    result.refuse(chunk[0].nodes[-1], f"FusedGemmGroup not formed: {e}")
+                    continue
+                result.fused += 1
+
+
 @register("gemm", fusion=True)
 def gemm(graph: Graph, result: PassResult) -> None:
     """MatMul/Gemm/Linear [+ bias] [+ activation] [+ residual Add] -> FusedGemm(A, B, bias, residual)."""
