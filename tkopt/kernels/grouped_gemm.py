@@ -66,7 +66,7 @@ def gemm_group(a: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
     arch, M, K, ns, out_shapes, biases = _check(a, weights, biases, b_transposed, arch)
     precision = fp32_precision(arch, a.dtype)
     N = sum(ns)
-    Np, Kp, gp = _padded(arch, N, K, a.dtype, tuple(ns))
+    Np, _, gp = _padded(arch, N, K, a.dtype, tuple(ns))
     if M == 0 or K == 0 or 0 in ns:  # nothing to compute, or zeros plus a bias: `gemm` handles the edges
         return [gemm(a, w, b, b_transposed=b_transposed, arch=forced) for w, b in zip(weights, biases, strict=True)]
     if config is not None:
@@ -76,7 +76,7 @@ def gemm_group(a: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
             return median_ms(lambda: _launch(arch, c, a, weights, biases, b_transposed, M, K, ns, out_shapes,
                                              precision))
 
-        cfg = select_config("gemm_group", arch, M, Np, Kp, a.dtype, None, biases[0] is not None, False, b_transposed,
+        cfg = select_config("gemm_group", arch, M, Np, K, a.dtype, None, biases[0] is not None, False, b_transposed,
                             run, precision=precision, groups=gp)
     problem = group_problem(arch, Np, gp, cfg, cfg.math(arch, a.dtype, precision))
     if problem and config is not None:
