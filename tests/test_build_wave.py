@@ -228,6 +228,26 @@ def test_the_probe_checks_the_example_shapes_with_tuning_off(caches, monkeypatch
     assert seen == [(True, [(2, 48, 64), (64, 64), (64,)])]
 
 
+def test_the_probe_declines_a_kernel_that_computes_wrong(caches, monkeypatch) -> None:
+    """A probe checks the kernel's outputs against the op's reference on its random inputs: a kernel that runs but
+    computes wrong on this device (here one output element off) is declined with the reason, as one that fails."""
+    monkeypatch.setenv("TKOPT_BUILD_WORKERS", "1")
+    nodes, args, graph = _fused(torch.float32, hidden=64)
+    gemm = next(n for n in nodes if n.op == "FusedGemm")
+    target = TorchTarget(args)
+    assert target.probe(graph, [gemm]) == {}
+    run = torch_target.run_kernel
+
+    def off_by_one(op, inputs, attrs):
+        outs = run(op, inputs, attrs)
+        outs[0].view(-1)[7] += 1.0
+        return outs
+
+    monkeypatch.setattr(torch_target, "run_kernel", off_by_one)
+    reason = target.probe(graph, [gemm])[gemm.name]
+    assert reason.startswith("output Y differs from the op's reference on random inputs: max relative error")
+
+
 @pytest.mark.gpu
 def test_a_cold_compile_builds_in_one_wave_and_tunes_only_at_real_shapes(caches, monkeypatch) -> None:
     """Cold caches, tuning on, more than one worker: the only worker wave is the build's. Selection's tuning at

@@ -50,11 +50,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from tkopt.accuracy import output_error
 from tkopt.backends import inductor
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
 from tkopt.frontends.fx import node_val, slot_values
-from tkopt.fused_ops import run_kernel, schema, use_kernels
+from tkopt.fused_ops import run_kernel, run_reference, schema, use_kernels
 from tkopt.input_sizes import (
     CheckedRun,
     guards_refuse,
@@ -253,12 +254,20 @@ class TorchTarget(Target):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # A torch.compile backend runs under Dynamo's fake mode. No tuning: it belongs at the real shapes (the
-        # first calls in selection), and the wave built what those time.
+        # first calls in selection), and the wave built what those time. The outputs are checked against the op's
+        # reference: a kernel that computes wrong on this device is declined, as one that fails is.
         with unset_fake_temporarily(), tuning.suspended():
             try:
-                run_kernel(node.op, probe_inputs(probe_specs(node), self.device), node.attrs)
+                inputs = probe_inputs(probe_specs(node), self.device)
+                got = run_kernel(node.op, inputs, node.attrs)
+                want = run_reference(node.op, inputs, node.attrs)
             except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
                 return f"{type(e).__name__}: {e}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            err = output_error(schema(node.op).outputs[i], g, w)
+            if not err.ok:
+                return (f"output {err.name} differs from the op's reference on random inputs: max relative error "
+                        f"{err.max_rel:.2e} > {err.tolerance:.0e} ({err.dtype})")
         return None
 
     # ---- measurement ------------------------------------------------------------------------------
