@@ -955,6 +955,20 @@ def padded_nk(arch, N, K, elt_size):
     return -(-N // al) * al, -(-K // al) * al
 
 
+def pad_operands(a2, bs, biases, b_transposed, K, Kp, ns, nps):
+    """A (M, K), the weights and their biases as the kernel takes them: TMA / 16-byte vector copies need 16-byte
+    aligned row strides, so on GPU K and each weight's N (`ns`) are zero-padded to `Kp` and `nps` (padded_nk; zeros
+    in K add nothing, padded N columns are computed and dropped)."""
+    pad = torch.nn.functional.pad
+    if Kp != K:
+        a2 = pad(a2, (0, Kp - K))
+        bs = [pad(b, (0, Kp - K) if b_transposed else (0, 0, 0, Kp - K)) for b in bs]
+    bs = [b if p == n else pad(b, (0, 0, 0, p - n) if b_transposed else (0, p - n))
+          for b, n, p in zip(bs, ns, nps, strict=True)]
+    biases = [x if x is None or p == n else pad(x, (0, p - n)) for x, n, p in zip(biases, ns, nps, strict=True)]
+    return a2, bs, biases
+
+
 def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_shape, M, N, K, gated,
             precision="ieee"):
     """Run the kernel; handles empty sizes, contiguity and the `out=` buffer."""
@@ -972,19 +986,10 @@ def _launch(arch, config, a, bs, biases, act, residual, b_transposed, out, out_s
         else:
             y = gemm_ref(a, bs[0], biases[0], act, residual, b_transposed=b_transposed)
         return out.copy_(y) if out is not None else y
-    a2 = a.reshape(M, K)
-    bs = list(bs)
-    biases = list(biases)
     res2 = None if residual is None else residual.reshape(M, N)
-    # TMA / 16-byte vector copies need 16-byte aligned row strides: on GPU, zero-pad K and N up to a
-    # multiple of 16 bytes (zeros in K add nothing; padded N columns are computed and dropped).
     Np, Kp = padded_nk(arch, N, K, a.element_size())
-    if Kp != K:
-        a2 = torch.nn.functional.pad(a2, (0, Kp - K))
-        bs = [torch.nn.functional.pad(b, (0, Kp - K) if b_transposed else (0, 0, 0, Kp - K)) for b in bs]
+    a2, bs, biases = pad_operands(a.reshape(M, K), bs, biases, b_transposed, K, Kp, [N] * len(bs), [Np] * len(bs))
     if Np != N:
-        bs = [torch.nn.functional.pad(b, (0, 0, 0, Np - N) if b_transposed else (0, Np - N)) for b in bs]
-        biases = [None if x is None else torch.nn.functional.pad(x, (0, Np - N)) for x in biases]
         res2 = None if res2 is None else torch.nn.functional.pad(res2, (0, Np - N))
     args = [_contig(a2), *[_contig(b) for b in bs]]
     has_bias = biases[0] is not None

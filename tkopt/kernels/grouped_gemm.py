@@ -27,6 +27,7 @@ from .gemm_epilogue import (
     fp32_precision,
     gemm,
     group_problem,
+    pad_operands,
     select_config,
 )
 from .tuning import median_ms
@@ -66,15 +67,16 @@ def gemm_group(a: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
     arch, M, K, ns, out_shapes, biases = _check(a, weights, biases, b_transposed, arch)
     precision = fp32_precision(arch, a.dtype)
     N = sum(ns)
-    Np, _, gp = _padded(arch, N, K, a.dtype, tuple(ns))
+    padded = _padded(arch, N, K, a.dtype, tuple(ns))
+    Np, _, gp = padded
     if M == 0 or K == 0 or 0 in ns:  # nothing to compute, or zeros plus a bias: `gemm` handles the edges
         return [gemm(a, w, b, b_transposed=b_transposed, arch=forced) for w, b in zip(weights, biases, strict=True)]
     if config is not None:
         cfg = _resolve_config(config, arch, a.dtype, gated=False, precision=precision)
     else:
         def run(c):
-            return median_ms(lambda: _launch(arch, c, a, weights, biases, b_transposed, M, K, ns, out_shapes,
-                                             precision))
+            return median_ms(lambda: _launch(arch, c, a, weights, biases, b_transposed, M, K, ns, padded,
+                                             out_shapes, precision))
 
         cfg = select_config("gemm_group", arch, M, Np, K, a.dtype, None, biases[0] is not None, False, b_transposed,
                             run, precision=precision, groups=gp)
@@ -83,23 +85,15 @@ def gemm_group(a: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
         raise UnsupportedError(f"grouped GEMM: {problem}")
     if problem:
         return [gemm(a, w, b, b_transposed=b_transposed, arch=forced) for w, b in zip(weights, biases, strict=True)]
-    return _launch(arch, cfg, a, weights, biases, b_transposed, M, K, ns, out_shapes, precision)
+    return _launch(arch, cfg, a, weights, biases, b_transposed, M, K, ns, padded, out_shapes, precision)
 
 
-def _launch(arch, cfg, a, weights, biases, b_transposed, M, K, ns, out_shapes, precision) -> list[torch.Tensor]:
-    """Run the grouped kernel: on the GPU K and each weight's N zero-padded to 16-byte multiples (padded columns
-    are computed and dropped), as `gemm_epilogue._launch` pads one weight."""
-    Np, Kp, gp = _padded(arch, sum(ns), K, a.dtype, tuple(ns))
-    pad = torch.nn.functional.pad
-    a2 = a.reshape(M, K)
-    ws, bs = list(weights), list(biases)
-    if Kp != K:
-        a2 = pad(a2, (0, Kp - K))
-        ws = [pad(w, (0, Kp - K) if b_transposed else (0, 0, 0, Kp - K)) for w in ws]
-    for g, (n, p) in enumerate(zip(ns, gp, strict=True)):
-        if p != n:
-            ws[g] = pad(ws[g], (0, 0, 0, p - n) if b_transposed else (0, p - n))
-            bs[g] = None if bs[g] is None else pad(bs[g], (0, p - n))
+def _launch(arch, cfg, a, weights, biases, b_transposed, M, K, ns, padded, out_shapes,
+            precision) -> list[torch.Tensor]:
+    """Run the grouped kernel on operands padded as `gemm_epilogue._launch` pads one weight (pad_operands);
+    `padded`: _padded's (N, K, widths)."""
+    Np, Kp, gp = padded
+    a2, ws, bs = pad_operands(a.reshape(M, K), weights, biases, b_transposed, K, Kp, ns, gp)
     outs = [torch.empty((M, p), dtype=a.dtype, device=a.device) for p in gp]
     kern = compiled_kernel(arch, Np, Kp, a.dtype, cfg, b_transposed=b_transposed, has_bias=bs[0] is not None,
                            precision=precision, groups=gp)

@@ -154,15 +154,23 @@ def _take_activation(ix: ShapedIndex, base: Base, result: PassResult) -> str:
     return activation_name(act)  # type: ignore[return-value]
 
 
-def _take_residual(ix: ShapedIndex, base: Base) -> None:
-    if base.residual is not None:
-        return
+def _residual_add(ix: ShapedIndex, base: Base) -> tuple[Node, Value] | None:
+    """(the Add, the residual) where the GEMM's output is read only by an Add of another value of the sum's shape,
+    to which the output provably broadcasts nothing: the residual epilogue FusedGemm takes."""
     add = ix.sole_user(base.out, "Add")
     r = add and other_input(add, base.out)
     shapes = ix.shapes
     if r is not None and r is not base.out and shape_mismatch(shapes, r, add.outputs[0]) is None and shape_mismatch(
         shapes, base.out, add.outputs[0]
     ) is None:
+        return add, r
+    return None
+
+
+def _take_residual(ix: ShapedIndex, base: Base) -> None:
+    found = None if base.residual is not None else _residual_add(ix, base)
+    if found is not None:
+        add, r = found
         base.nodes.append(add)
         base.residual, base.out = r, add.outputs[0]
 
@@ -284,12 +292,7 @@ def gated_mlp(graph: Graph, result: PassResult) -> None:
 
 def _has_epilogue(ix: ShapedIndex, base: Base) -> bool:
     """Whether the GEMM rule would fuse an activation or a residual add into this projection."""
-    if any(activation_name(u) is not None for u in ix.users(base.out)):
-        return True
-    add = ix.sole_user(base.out, "Add")
-    r = add and other_input(add, base.out)
-    return r is not None and shape_mismatch(ix.shapes, r, add.outputs[0]) is None and shape_mismatch(
-        ix.shapes, base.out, add.outputs[0]) is None
+    return any(activation_name(u) is not None for u in ix.users(base.out)) or _residual_add(ix, base) is not None
 
 
 def _projections(ix: ShapedIndex, graph: Graph) -> dict[int, list[Base]]:
