@@ -1,7 +1,8 @@
 """Whole transformer models on the GPU: tkopt against what a user already has, measured in one run.
 
 For each model (transformers BERT-base, GPT-2, a Llama-style 8-layer decoder, ViT-B/16 and torch's
-nn.TransformerEncoderLayer, built from configs with random weights, fp16) and each variant:
+nn.TransformerEncoderLayer, built from configs with random weights, fp16; and the test suite's reference blocks,
+tkopt.models.blocks) and each variant:
 
 - eager, torch.compile (inductor), torch.compile(mode="reduce-overhead") (inductor + CUDA graphs): the anchors;
 - tkopt.compile, and torch.compile(backend="tkopt"):
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import itertools
 import json
 import os
@@ -112,6 +114,20 @@ def _config(name: str, **kwargs: Any) -> Callable[[], Any]:
     return make
 
 
+def _block(cls_name: str, batch: int, seq: int, **cfg: Any) -> tuple[Callable[[], nn.Module],
+                                                                     Callable[[], tuple[torch.Tensor, ...]]]:
+    """A reference block of tkopt.models.blocks (the test suite's models; `cfg`: its config's fields) and its own
+    example inputs at a size. Imported on a call: the anchors' processes (compile_time.py) never import tkopt."""
+    def build() -> nn.Module:
+        from tkopt.models import blocks
+
+        cls = getattr(blocks, cls_name)
+        return cls(getattr(blocks, f"{cls_name}Config")(**cfg))
+
+    instance = functools.cache(build)  # example_inputs reads only the config, so one instance serves every call
+    return build, lambda: tuple(x.to(DEVICE) for x in instance().example_inputs(batch=batch, seq=seq))
+
+
 LLAMA8 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
 MODELS = {m.name: m for m in (
@@ -126,6 +142,15 @@ MODELS = {m.name: m for m in (
           _hf("LlamaModel", _config("LlamaConfig", **{**LLAMA8, "max_position_embeddings": 8192}), use_cache=False),
           _tokens(1, 8192, 32000), compile_inputs=_tokens(4, 2048, 32000)),
     Model("vit_b16_32", _hf("ViTModel", _config("ViTConfig")), lambda: (torch.randn(32, 3, 224, 224, device=DEVICE),)),
+    # The reference blocks: two at BERT-base's and a Llama-2k's sizes, the rest at their test configs (launch bound).
+    Model("block_bert_base_8x512", *_block("BertLayer", 8, 512, hidden=768, heads=12, ffn=3072)),
+    Model("block_llama_2k_4x512", *_block("LlamaBlock", 4, 512, hidden=2048, heads=16, kv_heads=4, ffn=5632)),
+    Model("block_mlp_8x128", *_block("MLP", 8, 128)),
+    Model("block_bert_8x128", *_block("BertLayer", 8, 128)),
+    Model("block_gpt2_8x128", *_block("GPT2Block", 8, 128, max_seq=128)),
+    Model("block_gpt2_sdpa_8x128", *_block("GPT2Block", 8, 128, max_seq=128, use_sdpa=True)),
+    Model("block_llama_8x128", *_block("LlamaBlock", 8, 128)),
+    Model("block_vit_8x128", *_block("ViTBlock", 8, 128)),
 )}
 
 
