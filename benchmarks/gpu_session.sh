@@ -9,7 +9,7 @@
 #                                                   # gemm_persistent: one block per tile against persistent;
 #                                                   # attention_short: the whole models' attention nodes, SHORT_ARGS)
 # Env: TEST_PATHS, TESTS_TIMEOUT, WORKERS (tests); BENCHES (whole: benchmarks/whole_models.py with WHOLE_ARGS,
-# WHOLE_TIMEOUT; tuning: benchmarks/tuning_db.py, the shipped tuning winners into tkopt/kernels/tuned/, with TUNING_ARGS,
+# WHOLE_TIMEOUT, and its selection decisions copied to OUTDIR for benchmarks/ship_decisions.py; tuning: benchmarks/tuning_db.py, the shipped tuning winners into tkopt/kernels/tuned/, with TUNING_ARGS,
 # TUNING_TIMEOUT; compile: benchmarks/compile_time.py, cold and warm compile time against torch.compile, with
 # COMPILE_ARGS, COMPILE_TIMEOUT; overhead: benchmarks/call_overhead.py, each variant's host cost per call, with
 # OVERHEAD_ARGS, OVERHEAD_TIMEOUT), MODELS_ARGS, MODELS_TIMEOUT (bench); ORT_GPU_WHEEL: an
@@ -48,7 +48,8 @@ case "$phase" in
         gemm_fp32) timeout 150 python benchmarks/bench_gemm.py --fp32 --out "$out" ;;
         gemm_epilogues) timeout 200 python benchmarks/bench_gemm.py --epilogues --out "$out" ;;
         gemm_persistent) timeout 300 python benchmarks/bench_gemm.py --persistent --out "$out" ;;
-        whole) timeout "${WHOLE_TIMEOUT:-500}" python benchmarks/whole_models.py --out "$out" ${WHOLE_ARGS:-} ;;
+        whole) timeout "${WHOLE_TIMEOUT:-500}" python benchmarks/whole_models.py --out "$out" ${WHOLE_ARGS:-}
+               cp "$TKOPT_CACHE_DIR"/select-*.json "$out"/ 2>/dev/null ;;  # for benchmarks/ship_decisions.py
         tuning) timeout "${TUNING_TIMEOUT:-400}" python benchmarks/tuning_db.py ${TUNING_ARGS:-} ;;
         compile) timeout "${COMPILE_TIMEOUT:-500}" python benchmarks/compile_time.py --out "$out" ${COMPILE_ARGS:-} ;;
         overhead) timeout "${OVERHEAD_TIMEOUT:-300}" python benchmarks/call_overhead.py --out "$out" ${OVERHEAD_ARGS:-} ;;

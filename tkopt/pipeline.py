@@ -6,8 +6,8 @@ answers every device question. Here, and only here, fused nodes are put back unf
 sealed; here the report is made.
 
 1. passes (tkopt.passes): canonicalize, recognize, fuse. Every fused node is a candidate.
-2. kernels: the target builds each candidate's kernel (not those the decision cache already declines); a
-   node whose kernel fails runs unfused, with a warning.
+2. kernels: the target builds each candidate's kernel (not those the decision cache already declines, on this
+   machine or in the declines shipped with tkopt); a node whose kernel fails runs unfused, with a warning.
 3. select: "all" keeps every candidate with a kernel. "measured" times each against what it replaces on the
    target, at its real shapes (for dynamic dims, also at a larger size the target picks), and keeps it only
    if it is at least MARGIN faster at every size measured; decisions are cached on
@@ -220,6 +220,9 @@ def _apply(d: NodeDecision, entry: dict[str, Any], cached: bool) -> None:
     d.fused_ms, d.unfused_ms = last["fused_ms"], last["unfused_ms"]
     if entry["kept"]:
         _decide(d, "kept")
+    elif "shipped" in entry:
+        _decide(d, "slower", f"under {MARGIN:.2f}x at {last['label']}, as measured on {entry['shipped']} (a shipped "
+                "decision: TKOPT_SHIPPED_DECISIONS=0 measures it here)")
     else:
         _decide(d, "slower", f"under {MARGIN:.2f}x at {last['label']}")
 
