@@ -2,6 +2,7 @@
 
 import fcntl
 import hashlib
+import json
 import os
 import tempfile
 from dataclasses import fields, replace
@@ -985,10 +986,39 @@ def test_library_epilogue_gpu(dtype, a_shape, N, bt, act):
         assert rel(ref) < 1e-5 < 5e-5 < rel(erf), (rel(ref), rel(erf))  # the two GELUs: 1.4e-4 apart
 
 
+@pytest.mark.parametrize("tilelang_ms,library", [(0.0575, True), (0.0500, False), (None, True)])
+def test_a_stored_library_timing_decides_with_the_margin_and_plans_no_build(tmp_path, monkeypatch, tilelang_ms,
+                                                                           library):
+    """cuBLASLt's epilogue runs unless TileLang's kernel timed LIBRARY_MARGIN faster (the encoder layer's relu GEMM
+    on an H100: 0.0575 ms against 0.0581, so the library); decided for it, the build plan holds no TileLang
+    kernel. A record with no TileLang time (its candidates failed) goes to the library."""
+    from tkopt.kernels import gemm_epilogue, tuning
+    from tkopt.kernels.arch import Build
+
+    monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TKOPT_SHIPPED_TUNING", "0")
+    monkeypatch.setattr(gemm_epilogue, "_LIBRARY_CHOSEN", {})
+    tuning.clear_memory_cache()
+    M, N, K, dtype = 4096, 4096, 1024, torch.float16
+    key = gemm_epilogue._library_key(M, N, K, dtype, "relu", True, "ieee")
+    timings = [[{"kernel": "cublaslt"}, 0.0581]] + ([[{"kernel": "tilelang"}, tilelang_ms]] if tilelang_ms else [])
+    best = min(timings, key=lambda t: t[1])
+    (tmp_path / tuning.file_name("gemm_library", "sm90")).write_text(json.dumps(
+        {tuning._key_str(key): {"config": best[0], "ms": best[1], "timings": timings}}))
+    build = Build("sm90", "sm_90", 132)
+    assert gemm_epilogue._library_decided("sm90", key) is library
+    plan = gemm_epilogue.planned_kernels("gemm", build, M, N, K, dtype, "relu", True, False, True)
+    assert (plan == []) is library
+    # what the library does not serve plans TileLang's kernels whatever the record says
+    assert gemm_epilogue.planned_kernels("gemm", build, M, N, K, dtype, "relu", True, True, True)
+    assert gemm_epilogue.planned_kernels("gemm", Build("sm90"), M, N, K, dtype, "relu", True, False, True)
+
+
 @pytest.mark.gpu
 def test_gemm_chooses_the_library_epilogue_by_timing(tmp_path, monkeypatch):
-    """gemm times cuBLASLt's epilogue against the tuned TileLang kernel once per shape bucket, caches the
-    winner on disk with the tuning, and runs it; arch= keeps the TileLang kernel, untimed against it."""
+    """gemm times cuBLASLt's epilogue against the tuned TileLang kernel once per shape bucket, caches both times on
+    disk with the tuning, and runs the library unless TileLang was LIBRARY_MARGIN faster; arch= keeps the TileLang
+    kernel, untimed against it."""
     from tkopt.kernels import gemm_epilogue, tuning
 
     if not _gpu_arch_ok("sm90"):
@@ -1010,5 +1040,6 @@ def test_gemm_chooses_the_library_epilogue_by_timing(tmp_path, monkeypatch):
     timings = {c["kernel"]: t for c, t in entry["timings"]}
     assert set(timings) == {"tilelang", "cublaslt"} and all(t > 0 for t in timings.values()), timings
     assert entry["config"]["kernel"] == min(timings, key=timings.get)
-    assert list(gemm_epilogue._LIBRARY_CHOSEN.values()) == [entry["config"]["kernel"] == "cublaslt"]
+    library = timings["tilelang"] * gemm_epilogue.LIBRARY_MARGIN > timings["cublaslt"]
+    assert list(gemm_epilogue._LIBRARY_CHOSEN.values()) == [library]
     _close(gemm(a, w, bias, "gelu_tanh", b_transposed=True).double(), ref, 1e-2)

@@ -2,8 +2,8 @@
 
 Public:
 - `gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=None)`: heuristic or tuned
-  config (tkopt/kernels/tuning.py, key bucketed on M); on CUDA, cuBLASLt's bias + relu / gelu_tanh epilogue where
-  it times faster (`library_serves`).
+  config (tkopt/kernels/tuning.py, key bucketed on M); on CUDA, cuBLASLt's bias + relu / gelu_tanh epilogue
+  (`library_serves`) unless TileLang's kernel times LIBRARY_MARGIN faster.
 - `gemm_custom(a, b, config, bias=None, act=None, residual=None, b_transposed=False, out=None)`: your tiles.
 - `gemm_program(...)`: the program builder (a `@T.prim_func`), for lowering to C / CUDA source.
 - `planned_kernels(kind, build, M, N, K, ...)`: the compiles calls of M rows will use, tuning candidates
@@ -1208,13 +1208,18 @@ def planned_kernels(kind, build: Build, M, N, K, dtype, act, has_bias, has_res, 
                     groups=()) -> list[Compile]:
     """The compiles `gemm` / `gated_mlp` / `gemm_group` calls with M rows will use on `build`: the cached winner,
     else where select_config would tune every candidate (tuning never times the default), else the default config
-    (each once, as kernel_key dedupes). `groups`: a grouped GEMM's widths."""
+    (each once, as kernel_key dedupes); none where `gemm` is decided for cuBLASLt's epilogue. `groups`: a grouped
+    GEMM's widths."""
     from .tuning import planned_configs
 
     if M == 0 or N == 0 or K == 0:
         return []
     arch = build.arch
     precision = fp32_precision(arch, dtype)
+    library = (kind == "gemm" and build.gpu is not None and has_bias and not has_res and act in LIBRARY_EPILOGUES
+               and _library_choice(arch, _library_key(M, N, K, dtype, act, b_t, precision)))
+    if library:  # decided for cuBLASLt's epilogue (gemm): it builds nothing
+        return []
     Np, Kp, gp = _padded(arch, N, K, dtype, groups)
     default, cands = tuning_space(arch, M, Np, dtype, gated, precision, build.sms, gp)
     if gp and not _group_valid(_candidate(default), arch, dtype, Np, gp, precision):
@@ -1284,9 +1289,9 @@ def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=No
     full fp32 accuracy by default ("highest"), TF32 tensor cores when torch allows TF32 ("high", "medium").
     `out=` writes into a given tensor; `arch=` forces a variant ("sm80" on an H200). The tile config is the
     heuristic default or, on the GPU, the tuned one (cached on disk; TKOPT_AUTOTUNE=0 turns tuning off).
-    On CUDA, a bias with relu or gelu_tanh and no residual runs on cuBLASLt's fused epilogue instead where
-    the tuning times it faster at that shape bucket (never with `arch=` given; `gemm_custom` always runs
-    the TileLang kernel).
+    On CUDA, a bias with relu or gelu_tanh and no residual runs on cuBLASLt's fused epilogue instead unless the
+    tuning times the TileLang kernel LIBRARY_MARGIN faster at that shape bucket (never with `arch=` given;
+    `gemm_custom` always runs the TileLang kernel).
 
     >>> import torch
     >>> from tkopt.kernels import gemm
@@ -1305,9 +1310,13 @@ def gemm(a, b, bias=None, act=None, residual=None, *, b_transposed=False, out=No
             return median_ms(lambda: _launch(arch, cfg, a, [b], [bias], act, residual, b_transposed, None,
                                             out_shape, M, N, K, False, precision))
 
+        serves = not forced and library_serves(a, bias, act, residual)
+        known = _library_decided(arch, _library_key(M, N, K, a.dtype, act, b_transposed, precision)) if serves else None
+        if known:  # decided for cuBLASLt: no TileLang kernel is tuned or built for this call
+            return _library_gemm(a, b, bias, act, b_transposed, out)
         cfg = select_config("gemm", arch, M, N, K, a.dtype, act, bias is not None, residual is not None,
                             b_transposed, run, precision=precision)
-        if not forced and library_serves(a, bias, act, residual) and _library_faster(
+        if serves and known is None and _library_faster(
                 arch, M, N, K, a.dtype, act, b_transposed, precision,
                 lambda: _launch(arch, cfg, a, [b], [bias], act, None, b_transposed, None, out_shape, M, N, K, False,
                                 precision),
@@ -1336,18 +1345,54 @@ def _library_gemm(a, b, bias, act, b_transposed, out):
     return y if out is None else out.copy_(y)
 
 
+# TileLang's kernel serves a call cuBLASLt's epilogue also serves only where it times this much faster: the vendor
+# library needs no kernel build, a cold compile's largest cost on a small model, and is the better-trodden code. At
+# nn.TransformerEncoderLayer's 4096x4096x1024 relu (H100, 2026-12-06) TileLang timed 0.0575 ms against 0.0581: a
+# 1% win that cost the layer's cold compile a 6 s build.
+LIBRARY_MARGIN = 1.05
+
+
+def _library_key(M, N, K, dtype, act, b_t, precision) -> tuple:
+    return _tuning_key(M, N, K, dtype, act, True, False, b_t, precision)
+
+
+def _library_choice(arch, key) -> bool | None:
+    """Whether cuBLASLt's epilogue runs, from the stored timing of both (this machine's, else the shipped one): the
+    library unless TileLang was LIBRARY_MARGIN faster; None where none is stored."""
+    from .tuning import cached_entry
+
+    entry = cached_entry("gemm_library", arch, key)
+    if entry is None:
+        return None
+    ms = {c.get("kernel"): t for c, t in entry.get("timings", [])}
+    if _TILELANG["kernel"] in ms and _LIBRARY["kernel"] in ms:
+        return ms[_TILELANG["kernel"]] * LIBRARY_MARGIN > ms[_LIBRARY["kernel"]]
+    return entry["config"] == _LIBRARY
+
+
+def _library_decided(arch, key) -> bool | None:
+    """The in-process choice, else the stored one (memoized: this runs on every call); None until timed."""
+    from .tuning import tuning_suspended
+
+    hit = _LIBRARY_CHOSEN.get((arch, key))
+    if hit is None:
+        hit = _library_choice(arch, key)
+        if hit is not None and not tuning_suspended():
+            _LIBRARY_CHOSEN[(arch, key)] = hit
+    return hit
+
+
 def _library_faster(arch, M, N, K, dtype, act, b_t, precision, tilelang_run, library_run) -> bool:
-    """Whether cuBLASLt's epilogue times faster than the tuned TileLang kernel at this shape bucket: decided with
-    the tuning (kernel "gemm_library", cached on disk the same way; TKOPT_AUTOTUNE=0 keeps TileLang)."""
+    """Whether cuBLASLt's epilogue runs at this shape bucket, timed against the tuned TileLang kernel with the
+    tuning (kernel "gemm_library", cached on disk the same way; TKOPT_AUTOTUNE=0 keeps TileLang) and chosen with
+    LIBRARY_MARGIN (`gemm` asks only where nothing is stored)."""
     from .tuning import pick_config, tuning_suspended
 
-    key = _tuning_key(M, N, K, dtype, act, True, False, b_t, precision)
-    hit = _LIBRARY_CHOSEN.get((arch, key))
-    if hit is not None:
-        return hit
-    chosen = pick_config("gemm_library", arch, key, [_TILELANG, _LIBRARY], _TILELANG,
+    key = _library_key(M, N, K, dtype, act, b_t, precision)
+    picked = pick_config("gemm_library", arch, key, [_TILELANG, _LIBRARY], _TILELANG,
                          lambda c: median_ms(library_run if c == _LIBRARY else tilelang_run, calls=8))
-    faster = chosen == _LIBRARY
+    stored = _library_choice(arch, key)
+    faster = picked == _LIBRARY if stored is None else stored
     if not tuning_suspended():
         _LIBRARY_CHOSEN[(arch, key)] = faster
     return faster
