@@ -92,3 +92,16 @@ def test_a_shipped_decline_builds_nothing_and_says_where_it_was_measured(tmp_pat
     monkeypatch.setenv("TKOPT_CACHE_DIR", str(tmp_path / "measured here"))
     again = tkopt.compile(model, inputs).tkopt_report
     assert sorted(probed) == sorted(d.node for d in again.nodes) and not any(d.cached for d in again.nodes)
+
+
+def test_the_packaged_declines_are_declines_with_their_origin() -> None:
+    """What ships in tkopt/selected/ (benchmarks/ship_decisions.py's output): node keys under a target fingerprint
+    without tkopt's versions, each a measured decline naming the GPU and date it was measured on."""
+    for path in sorted(decisions.SHIPPED_DIR.glob("select-*.json")):
+        for full, entry in json.loads(path.read_text()).items():
+            fingerprint, key = json.loads(full)
+            assert {"device", "torch"} <= set(fingerprint) and "sources" not in fingerprint, (path, fingerprint)
+            assert isinstance(key, list) and isinstance(key[0], str), (path, key)
+            assert entry["kept"] is False and entry["error"] is None and entry["sizes"], (path, key)
+            assert all(s["fused_ms"] * pipeline.MARGIN > s["unfused_ms"] for s in entry["sizes"][-1:]), (path, key)
+            assert entry["shipped"].startswith(fingerprint["device"]), (path, entry["shipped"])
