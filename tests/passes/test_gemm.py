@@ -288,17 +288,32 @@ def test_a_projection_with_an_activation_or_residual_stays_a_gemm():
     assert b.graph.nodes[2].inputs[3].name == "res"
 
 
-def test_projections_differing_in_bias_or_input_are_not_grouped():
-    """Without a bias beside two with one, a projection is refused from the group by name; projections of
-    different inputs never group."""
+def test_a_projection_without_a_bias_groups_with_a_zero_one():
+    """Whisper's k_proj has no bias beside q_proj's and v_proj's: the three group, k reading a zero bias of its
+    width (a constant the pass makes), and the group computes what the three projections did."""
     b = Builder()
     x = b.input("x", X)
     b.output(_linear(b, x, 8, "q"))
-    b.output(_linear(b, x, 8, "k", bias=False))
+    b.output(_linear(b, x, 4, "k", bias=False))
+    b.output(_linear(b, x, 8, "v"))
+    _fused_same(b, gemm_group, gemm, want_ops=["FusedGemmGroup"])
+    node = b.graph.nodes[0]
+    zero = node.inputs[5]
+    assert [v.name for v in node.inputs[1:4]] == ["wq", "wk", "wv"] and node.inputs[4].name == "bq"
+    assert zero.shape == (4,) and zero.dtype == "float32" and zero.const is not None and not zero.const.any()
+
+
+def test_projections_differing_in_layout_or_input_are_not_grouped():
+    """A weight of another layout beside two alike is refused from the group by name; projections of different
+    inputs never group."""
+    b = Builder()
+    x = b.input("x", X)
+    b.output(_linear(b, x, 8, "q"))
+    b.output(b.op("Add", b.op("MatMul", x, b.param(X[-1], 8, name="wk")), b.param(8, name="bk")))
     b.output(_linear(b, x, 8, "v"))
     r = _fused_same(b, gemm_group, gemm, want_ops=["FusedGemm", "FusedGemmGroup"])
     assert [n.name for n in b.graph.nodes[1].inputs[1:3]] == ["wq", "wv"]
-    assert "FusedGemmGroup not formed for wk: the other projections of x differ in weight layout or bias" in reasons(r)
+    assert "FusedGemmGroup not formed for wk: the other projections of x differ in weight layout" in reasons(r)
     b = Builder()
     x, z = b.input("x", X), b.input("z", X)
     b.output(_linear(b, x, 8, "q"))

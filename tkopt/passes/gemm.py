@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tkopt.ir import Graph, Node, Value
 
 from .base import FusionError, PassResult, fuse
+from .evaluators import np_dtype
 from .patterns import const_scalar, is_op, is_vector_of, other_input
 from .pipeline import register
 from .shapes import ShapedIndex, shape_mismatch
@@ -308,25 +311,41 @@ def _projections(ix: ShapedIndex, graph: Graph) -> dict[int, list[Base]]:
     return by_input
 
 
+def _zero_bias(graph: Graph, base: Base) -> Value | None:
+    """A zero bias for a projection without one that groups with projections that have one (Whisper's k_proj
+    beside q_proj and v_proj): adding zero leaves every product as it is. None for a dynamic width."""
+    n, dtype = base.n, base.out.dtype
+    if not isinstance(n, int) or dtype is None:
+        return None
+    return Value(graph.fresh_name(f"{base.b.name}_zero_bias"), dtype, (n,), const=np.zeros(n, np_dtype(dtype)))
+
+
 @register("gemm_group", fusion=True)
 def gemm_group(graph: Graph, result: PassResult) -> None:
     """Two or three projections of one input (a layer's Q, K and V) -> FusedGemmGroup, one launch for all. Only
     projections whose epilogue is a bias at most: one that takes an activation or a residual is the GEMM rule's,
-    which fuses that epilogue. Projections group with those of the same weight layout and bias presence."""
+    which fuses that epilogue. Projections group with those of the same weight layout; where some have a bias and
+    others none, those get a zero bias (`_zero_bias`)."""
     ix = ShapedIndex(graph)
     for members in _projections(ix, graph).values():
-        kinds: dict[tuple[int, bool], list[Base]] = {}
+        kinds: dict[int, list[Base]] = {}
         for base in members:
-            kinds.setdefault((base.trans_b, base.bias is not None), []).append(base)
-        for (trans_b, has_bias), same in kinds.items():
+            kinds.setdefault(base.trans_b, []).append(base)
+        for trans_b, same in kinds.items():
             if len(same) == 1 and len(members) > 1:
                 result.refuse(same[0].nodes[-1], f"FusedGemmGroup not formed for {same[0].b.name}: the other "
-                              f"projections of {same[0].a.name} differ in weight layout or bias")
+                              f"projections of {same[0].a.name} differ in weight layout")
             for chunk in (same[i:i + 3] for i in range(0, len(same), 3)):
                 if len(chunk) < 2:
                     continue
                 weights = [b.b for b in chunk] + [None] * (3 - len(chunk))
-                biases = [b.bias for b in chunk] + [None] * (3 - len(chunk)) if has_bias else [None] * 3
+                biased = any(b.bias is not None for b in chunk)
+                biases = [b.bias if b.bias is not None or not biased else _zero_bias(graph, b) for b in chunk]
+                biases += [None] * (3 - len(chunk))
+                if biased and any(v is None for v in biases[:len(chunk)]):
+                    result.refuse(chunk[0].nodes[-1], "FusedGemmGroup not formed: a projection without a bias has a "
+                                  "dynamic width, so no zero bias can stand in for one")
+                    continue
                 nodes = [n for b in chunk for n in b.nodes]
                 try:
                     fuse(graph, nodes, "FusedGemmGroup", [chunk[0].a, *weights, *biases], [b.out for b in chunk],
