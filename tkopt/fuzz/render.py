@@ -217,7 +217,7 @@ def block_attention(src: Source, p: str, o: dict) -> None:
     x = prenorm(src, p, o["prenorm"])
     if o["sizes"] == "input":
         src.fwd.append(f"B, S, _ = {x}.shape")
-    bias = o["bias"]
+    bias = o["bias"] is not False  # "not_k" leaves k's out where q, k and v are separate
     latents = o["kv"] == "latents"
     kv_x, kv_b, kv_s = x, "B", "S"
     if latents:  # cross-attention to learned latents: K/V of batch 1 broadcast against the queries' batch
@@ -227,7 +227,8 @@ def block_attention(src: Source, p: str, o: dict) -> None:
                        f".split([{d}, {kvd}, {kvd}], dim=-1)")
     else:
         for name, width, inp in (("q", d, x), ("k", kvd, kv_x), ("v", kvd, kv_x)):
-            src.fwd.append(f"{name} = {linear(src, f'{p}_{name}', inp, d, width, 'module', bias)}")
+            has = bias and not (name == "k" and o["bias"] == "not_k")
+            src.fwd.append(f"{name} = {linear(src, f'{p}_{name}', inp, d, width, 'module', has)}")
     if o["sizes"] == "projection":
         src.fwd.append("B, S, _ = q.shape")
     for name, nh in (("q", heads), ("k", kvh), ("v", kvh)):

@@ -44,7 +44,7 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
         "scale": ["default", "explicit", "tiny"],
         "scale_at": ["scores", "div_sqrt", "query", "after_mask"],
         "softmax": ["functional", "torch", "method", "float32"],
-        "bias": [True, False],
+        "bias": [True, False, "not_k"],  # "not_k": q and v have one and k none, as Whisper's attention
         "residual": [True, False],
         "prenorm": ["none", *NORMS],
     },
