@@ -18,24 +18,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
+    from tuning_db import merge_records  # run as a script, its folder is on sys.path
+
     from tkopt.decisions import shippable
-    from tkopt.files import write_atomic
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--db", type=Path, default=ROOT / "tkopt" / "selected")
     args = p.parse_args()
-    args.db.mkdir(parents=True, exist_ok=True)
     for run in args.runs:
         meta = json.loads((run / "whole_models.json").read_text())["meta"]
         measured_on = f"{meta['device']}, {meta['date'][:10]}"
         for path in sorted(run.glob("select-*.json")):
             fresh = shippable(path, measured_on)
-            target = args.db / path.name
-            known = json.loads(target.read_text()) if target.exists() else {}
-            known.update(fresh)
-            write_atomic(target, (json.dumps(known, indent=1, sort_keys=True) + "\n").encode())
-            print(f"{path}: {len(fresh)} declines; {target} holds {len(known)}")
+            held = merge_records(args.db / path.name, fresh)
+            print(f"{path}: {len(fresh)} declines; {args.db / path.name} holds {held}")
     return 0
 
 

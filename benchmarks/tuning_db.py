@@ -65,21 +65,23 @@ def tune_model(name: str, ops: Sequence[str] = ()) -> dict[str, int]:
     return ran
 
 
+def merge_records(target: Path, fresh: dict) -> int:
+    """Merge `fresh` records into the shipped JSON file `target` (a key measured again replaces the old record),
+    written all or nothing; returns how many keys it now holds. benchmarks/ship_decisions.py writes this way too."""
+    from tkopt.files import write_atomic
+
+    known = json.loads(target.read_text()) if target.exists() else {}
+    known.update(fresh)
+    write_atomic(target, (json.dumps(known, indent=1, sort_keys=True) + "\n").encode())
+    return len(known)
+
+
 def merge(cache: Path, db: Path, arch: str, device: str) -> dict[str, int]:
     """Merge the winners `cache` holds for `arch` into `db`, each record naming the `device` it was measured on;
     returns per file how many keys it now holds."""
-    from tkopt.files import write_atomic
-
-    db.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for path in sorted(cache.glob(f"tune-*-{arch}.json")):
-        fresh = {key: {**record, "device": device} for key, record in json.loads(path.read_text()).items()}
-        target = db / path.name
-        known = json.loads(target.read_text()) if target.exists() else {}
-        known.update(fresh)
-        write_atomic(target, (json.dumps(known, indent=1, sort_keys=True) + "\n").encode())
-        counts[path.name] = len(known)
-    return counts
+    return {path.name: merge_records(db / path.name, {key: {**record, "device": device}
+                                                       for key, record in json.loads(path.read_text()).items()})
+            for path in sorted(cache.glob(f"tune-*-{arch}.json"))}
 
 
 def main() -> int:

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 from tkopt.cache import JsonFile, cache_path, selection_sources, versions
+from tkopt.kernels.tuning import env_enabled, read_json
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "selected"
-_FALSE = ("0", "false", "off", "no")
 
 
 def file_name(target: str) -> str:
@@ -40,15 +39,7 @@ def _key(fingerprint: dict[str, Any], key: Any) -> str:
 
 @functools.cache
 def _shipped(name: str) -> dict[str, Any]:
-    try:
-        data = json.loads((SHIPPED_DIR / name).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def shipped_enabled() -> bool:
-    return os.environ.get("TKOPT_SHIPPED_DECISIONS", "1").strip().lower() not in _FALSE
+    return read_json(str(SHIPPED_DIR / name))
 
 
 class DecisionCache:
@@ -61,7 +52,7 @@ class DecisionCache:
         self.target_fingerprint = fingerprint
         self.fingerprint = {**fingerprint, **versions(), "selection": selection_sources()}
         self.entries = self.file.read()
-        self.shipped = _shipped(file_name(target)) if shipped_enabled() else {}
+        self.shipped = _shipped(file_name(target)) if env_enabled("TKOPT_SHIPPED_DECISIONS") else {}
 
     def get(self, key: Any) -> dict[str, Any] | None:
         entry = self.entries.get(_key(self.fingerprint, key))

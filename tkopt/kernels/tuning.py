@@ -42,8 +42,12 @@ from collections.abc import Callable, Sequence
 
 _LOCK = threading.Lock()
 _MEMORY: dict[tuple[str, str, str, str], dict] = {}
-_FALSE = ("0", "false", "off", "no")
 _SUSPENDED = contextvars.ContextVar("tkopt_tuning_suspended", default=False)
+
+
+def env_enabled(name: str) -> bool:
+    """A switch that is on unless the environment sets it to "0", "false", "off" or "no"."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def cache_dir() -> str:
@@ -75,7 +79,7 @@ def tuning_enabled(arch: str | None = None) -> bool:
 
 def _tunes(arch: str | None) -> bool:
     """Whether calls on `arch` tune outside `suspended()` blocks (what a build ahead of them plans for)."""
-    return arch != "cpu" and os.environ.get("TKOPT_AUTOTUNE", "1").strip().lower() not in _FALSE
+    return arch != "cpu" and env_enabled("TKOPT_AUTOTUNE")
 
 
 def shape_bucket(n: int, cap: int = 1 << 16) -> int:
@@ -107,7 +111,7 @@ def _shipped_file(kernel: str, arch: str) -> dict:
 def _entry(kernel: str, arch: str, kstr: str) -> dict | None:
     """The stored record for a key: this machine's cache first, else the shipped winners (module docstring)."""
     entry = read_json(_file(kernel, arch)).get(kstr)
-    if entry is None and os.environ.get("TKOPT_SHIPPED_TUNING", "1").strip().lower() not in _FALSE:
+    if entry is None and env_enabled("TKOPT_SHIPPED_TUNING"):
         entry = _shipped_file(kernel, arch).get(kstr)
     return entry
 
