@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from tkopt.cache import JsonFile, cache_path, selection_sources, versions
-from tkopt.kernels.tuning import env_enabled, read_json
+from tkopt.kernels.tuning import env_enabled, read_json, safe_name
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "selected"
 
 
 def file_name(target: str) -> str:
     """`target`'s decisions file, in the cache and in SHIPPED_DIR."""
-    return "select-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in target) + ".json"
+    return f"select-{safe_name(target)}.json"
 
 
 def _key(fingerprint: dict[str, Any], key: Any) -> str:

@@ -93,10 +93,14 @@ def shape_bucket(n: int, cap: int = 1 << 16) -> int:
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 
 
+def safe_name(text: str) -> str:
+    """`text` as a portable file name part: anything but letters, digits and -_. becomes _."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
 def file_name(kernel: str, arch: str) -> str:
     """The name of (kernel, arch)'s winners file, in the cache and in SHIPPED_DIR."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{kernel}-{arch}")
-    return f"tune-{safe}.json"
+    return f"tune-{safe_name(f'{kernel}-{arch}')}.json"
 
 
 def _file(kernel: str, arch: str) -> str:
