@@ -365,6 +365,12 @@ LOWER_CASES = {
     "sm90-f16-d64-two-ctas-keymask-causal": ("sm90", "float16", 64, 12, 12, True, ("bshd",) * 4, "bool",
                                              (False, True, True, False),
                                              {"block_M": 64, "threads": 128, "min_blocks": 2}),
+    "sm90-f16-d80-causal-gqa-bshd": ("sm90", "float16", 80, 8, 2, True, ("bshd",) * 4, None, (False,) * 4, {}),
+    "sm90-bf16-d256-keymask": ("sm90", "bfloat16", 256, 4, 4, False, ("bhsd",) * 4, "bool",
+                               (False, True, True, False), {}),
+    "sm80-f16-d96-addmask": ("sm80", "float16", 96, 4, 2, False, ("bhsd",) * 4, "add", (False, True, False, False),
+                             {}),
+    "sm80-f16-d256-causal-gqa": ("sm80", "float16", 256, 8, 2, True, ("bshd",) * 4, None, (False,) * 4, {}),
 }  # fmt: skip
 
 
@@ -512,6 +518,10 @@ GPU_CASES = {
     "d128-causal-sq>skv": (1, 4, 2, 257, 130, 128, True, "bshd", None),
     "d64-addmask": (2, 4, 4, 150, 211, 64, False, "bhsd", "add"),
     "d128-boolmask-bshd": (2, 4, 2, 129, 260, 128, True, "bshd", "bool"),
+    "d80-causal-gqa": (2, 8, 2, 190, 277, 80, True, "bshd", None),
+    "d96-addmask": (2, 4, 4, 150, 211, 96, False, "bhsd", "add"),
+    "d256": (2, 4, 4, 300, 300, 256, False, "bhsd", None),
+    "d256-boolmask-causal-gqa": (1, 4, 2, 129, 260, 256, True, "bshd", "bool"),
 }
 
 

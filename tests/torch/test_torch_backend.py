@@ -374,7 +374,7 @@ def test_attention_nodes_sharing_a_key_mask_share_its_kept_rows(device, recwarn)
     torch.manual_seed(0)
     counters.clear()
     dtype = torch.float16 if device == "cuda" else torch.float32
-    model = SharedMask(heads=1 if device == "cuda" else 2).eval().to(device, dtype)  # GPU head dims: 64, 128
+    model = SharedMask(heads=1 if device == "cuda" else 2).eval().to(device, dtype)
 
     def example(b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         keep = torch.ones(b, s, dtype=torch.bool, device=device)

@@ -60,7 +60,7 @@ LAYOUTS = ("bhsd", "bshd")  # what q, k, v and the output are given in
 # dims holds. "sbhd" is nn.MultiheadAttention's: its q / k / v are (seq, batch, embed) projections viewed as
 # heads, contiguous in neither given layout (each was copied before this layout existed).
 MEMORY_LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
-GPU_HEAD_DIMS = (64, 128)
+GPU_HEAD_DIMS = (64, 80, 96, 128, 256)  # Llama/BERT/GPT-2 64-128, Phi 80, some 96, Gemma and GPT-J 256
 CPU_MAX_HEAD_DIM = 256
 _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -76,6 +76,11 @@ GUARDS = ("none", "masked", "nan")
 DEFAULT_CONFIGS = {
     ("sm90", 64): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
     ("sm90", 128): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
+    # D=80 and 96 take D=128's tile (102 and 123 KB of shared memory). D=256: block_N=64 fits two stages in
+    # 192 KB (128x128 would need 288); 128x80, FA3's tile for D=256, needs 224 KB, a candidate.
+    ("sm90", 80): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
+    ("sm90", 96): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
+    ("sm90", 256): dict(block_M=128, block_N=64, num_stages=2, threads=256, pipelined=True),
     # sm80: 128 threads with block_M=128, D=128 spill (255 regs + 128 B spills per ptxas): use 256.
     # num_stages=1: TileLang 0.1.15 cannot generate code for a deeper cp.async pipeline over a dynamic
     # trip count (its epilogue's ptx_wait_group count is not a constant: "Downcast from tirx.Sub to
@@ -83,6 +88,10 @@ DEFAULT_CONFIGS = {
     # to lower (196 KB of unrolled source), so it is not used.
     ("sm80", 64): dict(block_M=128, block_N=64, num_stages=1, threads=256),
     ("sm80", 128): dict(block_M=128, block_N=64, num_stages=1, threads=256),
+    ("sm80", 80): dict(block_M=128, block_N=64, num_stages=1, threads=256),
+    ("sm80", 96): dict(block_M=128, block_N=64, num_stages=1, threads=256),
+    # D=256: 128x64 runs at ptxas' 255-register limit (fp16, 4 bytes spilled with a causal GQA key); 128x32 at 240.
+    ("sm80", 256): dict(block_M=128, block_N=32, num_stages=1, threads=256),
 }
 FP32_CONFIG = dict(block_M=64, block_N=32, num_stages=1, threads=128)
 CPU_BLOCK_N = 32
@@ -107,6 +116,15 @@ TUNE_CANDIDATES = {
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
         dict(block_M=128, block_N=176, num_stages=2, threads=256, pipelined=True),
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=False),
+    ],
+    ("sm90", 256): [
+        dict(block_M=128, block_N=64, num_stages=2, threads=256, pipelined=True),
+        dict(block_M=128, block_N=80, num_stages=2, threads=256, pipelined=True),
+        dict(block_M=128, block_N=64, num_stages=2, threads=256, pipelined=False),
+    ],
+    ("sm80", 256): [
+        dict(block_M=128, block_N=32, num_stages=1, threads=256),
+        dict(block_M=64, block_N=32, num_stages=1, threads=128),
     ],
     ("sm90", 64): [
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
