@@ -97,7 +97,7 @@ def cold_and_warm(tmp_cache: str):
     code = (
         "import time,torch;t=time.perf_counter();import tkopt.kernels.attention as A;"
         "q=torch.randn(1,16,256,128,device='cuda',dtype=torch.float16);"
-        "A.flash_attention(q,q[:, :16],q[:, :16],causal=True, config=dict(A.DEFAULT_CONFIGS[('sm90',128)]));"
+        "A.flash_attention(q,q[:, :16],q[:, :16],causal=True, config=A.default_config('sm90',128));"
         "torch.cuda.synchronize();print('T=%.2f'%(time.perf_counter()-t))"
     )
     env = dict(os.environ, TILELANG_CACHE_DIR=tmp_cache, TKOPT_AUTOTUNE="0")
@@ -256,7 +256,7 @@ def schedule_config(pipelined: bool, d: int = 128) -> dict:
     """The sm90 default tile config with the loop schedule forced (the "sm90 pipelined" / "sm90 plain" rows)."""
     from tkopt.kernels import attention as A
 
-    return {**A.DEFAULT_CONFIGS[("sm90", d)], "pipelined": pipelined}
+    return {**A.default_config("sm90", d), "pipelined": pipelined}
 
 
 def warm_specs(tests: bool = True):
@@ -291,7 +291,7 @@ def warm_specs(tests: bool = True):
         # A None config compiles the default one: the same kernel as that config given explicitly.
         arch, dtype, b, hq, hkv, d, causal, layout, mk, cfg = s_
         if cfg is None and dtype != "float32":
-            cfg = dict(A.DEFAULT_CONFIGS[(arch, d)])
+            cfg = A.default_config(arch, d)
         key = json.dumps((arch, dtype, b, hq, hkv, d, causal, layout, mk, sorted((cfg or {}).items())), default=str)
         if key not in seen:
             seen.add(key)

@@ -123,16 +123,17 @@ def test_torch_compile_backend_runs_cpu_kernels(monkeypatch) -> None:
 
 
 # The same blocks on the GPU kernels at head dim 64 (the CPU blocks above use 16), sequence 77 (no tile
-# multiple), GQA for Llama; and at the head dims of Phi (80) and Gemma (256).
+# multiple), GQA for Llama; and at the head dims of MiniLM (32), Phi (80) and Gemma (256).
 GPU_MODELS = {
     "bert_layer": lambda: blocks.BertLayer(blocks.BertLayerConfig(hidden=256, heads=4, ffn=512)),
     "gpt2_block": lambda: blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=256, heads=4, max_seq=128)),
     "llama_block": lambda: blocks.LlamaBlock(blocks.LlamaBlockConfig(hidden=256, heads=4, kv_heads=2, ffn=512)),
     "vit_block": lambda: blocks.ViTBlock(blocks.ViTBlockConfig(hidden=256, heads=4, ffn=512)),
+    "bert_layer_d32": lambda: blocks.BertLayer(blocks.BertLayerConfig(hidden=128, heads=4, ffn=512)),
     "llama_block_d80": lambda: blocks.LlamaBlock(blocks.LlamaBlockConfig(hidden=320, heads=4, kv_heads=2, ffn=640)),
     "gpt2_block_d256": lambda: blocks.GPT2Block(blocks.GPT2BlockConfig(hidden=512, heads=2, max_seq=128)),
 }
-_SAME_FUSIONS_AS = {"llama_block_d80": "llama_block", "gpt2_block_d256": "gpt2_block"}
+_SAME_FUSIONS_AS = {"bert_layer_d32": "bert_layer", "llama_block_d80": "llama_block", "gpt2_block_d256": "gpt2_block"}
 GPU_EXPECTED = {name: EXPECTED_FUSIONS[_SAME_FUSIONS_AS.get(name, name)] for name in GPU_MODELS}
 GPU_CASES = [(name, dtype, arch) for name in GPU_MODELS for dtype in (torch.float16, torch.bfloat16)
              for arch in ("sm90", "sm80")]

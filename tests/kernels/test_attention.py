@@ -365,6 +365,8 @@ LOWER_CASES = {
     "sm90-f16-d64-two-ctas-keymask-causal": ("sm90", "float16", 64, 12, 12, True, ("bshd",) * 4, "bool",
                                              (False, True, True, False),
                                              {"block_M": 64, "threads": 128, "min_blocks": 2}),
+    "sm90-f16-d32-keymask-two-ctas": ("sm90", "float16", 32, 12, 12, False, ("bshd",) * 4, "bool",
+                                      (False, True, True, False), {"block_M": 64, "threads": 128, "min_blocks": 2}),
     "sm90-f16-d80-causal-gqa-bshd": ("sm90", "float16", 80, 8, 2, True, ("bshd",) * 4, None, (False,) * 4, {}),
     "sm90-bf16-d256-keymask": ("sm90", "bfloat16", 256, 4, 4, False, ("bhsd",) * 4, "bool",
                                (False, True, True, False), {}),
@@ -375,7 +377,7 @@ LOWER_CASES = {
 
 
 def _config(arch, dim, overrides):
-    return {**A.DEFAULT_CONFIGS[(arch, dim)], **overrides}
+    return {**A.default_config(arch, dim), **overrides}
 
 
 def _lower(case):
@@ -464,20 +466,28 @@ def test_pipelined_schedule_overlaps_and_is_not_serialized(lowered, name):
         assert sass.count("MUFU.EX2", d1, d0) >= 16, "ptxas hoisted the PV wait above the softmax"
 
 
+def test_gpu_head_dims_are_the_multiples_of_16_up_to_256():
+    assert [d for d in range(300) if A.gpu_head_dim(d)] == list(range(16, 257, 16))
+    for d in (40, 272):
+        with pytest.raises(UnsupportedError, match=f"multiples of 16 up to 256, not {d}"):
+            A._kernel_dtype(torch.empty(1, 1, 1, d, dtype=torch.float16), "sm90", "masked")
+
+
 def test_schedule_configs():
     """Both schedules are tuning candidates on sm90 (which wins is measured on the device); pipelined is
     sm90-only."""
-    for dim in A.GPU_HEAD_DIMS:
+    for dim in (16, 32, 64, 80, 96, 128, 192, 256):
         cands = A.tune_candidates("sm90", dim)
         assert {bool(c.get("pipelined")) for c in cands} == {True, False}
-        assert A.DEFAULT_CONFIGS[("sm90", dim)] in cands
+        assert A.default_config("sm90", dim) in cands
+        assert A.default_config("sm80", dim) in A.tune_candidates("sm80", dim)
         assert not any(c.get("pipelined") for c in A.tune_candidates("sm80", dim))
         masked = A.tune_candidates("sm90", dim, masked=True)
-        assert A.DEFAULT_CONFIGS[("sm90", dim)] in masked and all(c["block_M"] * c["block_N"] <= 128 * 128
+        assert A.default_config("sm90", dim) in masked and all(c["block_M"] * c["block_N"] <= 128 * 128
                                                                   for c in masked)  # fmt: skip
     key = ("float16", 64, 4, 4, False, ("bhsd",) * 4, None, (False,) * 4, None)
     with pytest.raises(UnsupportedError, match="pipelined schedule needs wgmma"):
-        A.compile_gpu("sm80", key, tuple(sorted({**A.DEFAULT_CONFIGS[("sm80", 64)], "pipelined": True}.items())))
+        A.compile_gpu("sm80", key, tuple(sorted({**A.default_config("sm80", 64), "pipelined": True}.items())))
 
 
 def test_gpu_programs_refuse_a_scale_that_is_not_positive():
@@ -494,7 +504,7 @@ def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
     from tilelang import tvm
 
     func = A.gpu_program("float16", 64, 4, 4, True, ("bhsd",) * 4, None, (False,) * 4, None,
-                         **A.DEFAULT_CONFIGS[("sm80", 64)])  # fmt: skip
+                         **A.default_config("sm80", 64))  # fmt: skip
     target = run_target("sm80", "sm_90")
     assert target == {"kind": "cuda", "arch": "sm_90"}
     with tvm.transform.PassContext(config=A._pass_configs("sm80", "sm_90")), tvm.target.Target(target):
@@ -518,6 +528,8 @@ GPU_CASES = {
     "d128-causal-sq>skv": (1, 4, 2, 257, 130, 128, True, "bshd", None),
     "d64-addmask": (2, 4, 4, 150, 211, 64, False, "bhsd", "add"),
     "d128-boolmask-bshd": (2, 4, 2, 129, 260, 128, True, "bshd", "bool"),
+    "d32-boolmask": (2, 12, 12, 130, 130, 32, False, "bshd", "bool"),
+    "d48-causal": (2, 4, 4, 100, 100, 48, True, "bhsd", None),
     "d80-causal-gqa": (2, 8, 2, 190, 277, 80, True, "bshd", None),
     "d96-addmask": (2, 4, 4, 150, 211, 96, False, "bhsd", "add"),
     "d256": (2, 4, 4, 300, 300, 256, False, "bhsd", None),
@@ -547,7 +559,7 @@ def gpu_variant_config(variant, dtype, dim):
         return arch, None
     if overrides == TWO_CTAS:
         return arch, _two_ctas(arch, dim)
-    return arch, {**A.DEFAULT_CONFIGS[(arch, dim)], **overrides}
+    return arch, {**A.default_config(arch, dim), **overrides}
 
 
 def _two_ctas(arch, dim):

@@ -150,9 +150,10 @@ def program(node: Node, arch: str) -> ProgramSpec:
         key = ("attn", arch, *args)
         build = lambda: attention.cpu_program(*args)  # noqa: E731
     else:
-        if dim not in attention.GPU_HEAD_DIMS:
-            raise Unservable(f"{node.name}: head dim {dim} (GPU kernels: {attention.GPU_HEAD_DIMS})")
-        cfg = attention.FP32_CONFIG if dtype == "float32" else attention.DEFAULT_CONFIGS[(arch, dim)]
+        if not attention.gpu_head_dim(dim):
+            raise Unservable(f"{node.name}: head dim {dim} (GPU kernels: multiples of "
+                             f"{attention.GPU_HEAD_DIM_STEP} up to {attention.GPU_MAX_HEAD_DIM})")  # fmt: skip
+        cfg = attention.FP32_CONFIG if dtype == "float32" else attention.default_config(arch, dim)
         key = ("attn", arch, *args, tuple(cfg.items()))
         build = lambda: attention.gpu_program(*args, **cfg)  # noqa: E731
     return ProgramSpec(key, build, buffers, {0: "s0"}, attention.program_pass_configs(arch))

@@ -60,7 +60,11 @@ LAYOUTS = ("bhsd", "bshd")  # what q, k, v and the output are given in
 # dims holds. "sbhd" is nn.MultiheadAttention's: its q / k / v are (seq, batch, embed) projections viewed as
 # heads, contiguous in neither given layout (each was copied before this layout existed).
 MEMORY_LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
-GPU_HEAD_DIMS = (64, 80, 96, 128, 256)  # Llama/BERT/GPT-2 64-128, Phi 80, some 96, Gemma and GPT-J 256
+# The GPU programs take every head dim that is a multiple of the tensor cores' k step (16 for 16-bit inputs) up
+# to 256: MiniLM's 32, BERT's and GPT-2's 64, Phi's 80, Llama's 128, Gemma's 256. Every such dim lowers and
+# compiles without spills at its default tile (checked across 16..256 on sm90 and sm80, 2026-12-07).
+GPU_HEAD_DIM_STEP = 16
+GPU_MAX_HEAD_DIM = 256
 CPU_MAX_HEAD_DIM = 256
 _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -73,33 +77,28 @@ GUARDS = ("none", "masked", "nan")
 # warp specialization turn the loads into cp.async plus __syncthreads (checked on the lowered source). So
 # the schedule is written out by hand: async T.wgmma_gemm + T.wait_wgmma inside the warp-specialized loop.
 # The plain schedule stays a tuning candidate: which one wins is only known on the device.
+# sm80: 128 threads with block_M=128, D=128 spill (255 regs + 128 B spills per ptxas): use 256.
+# num_stages=1: TileLang 0.1.15 cannot generate code for a deeper cp.async pipeline over a dynamic
+# trip count (its epilogue's ptx_wait_group count is not a constant: "Downcast from tirx.Sub to
+# ir.IntImm failed"); the pass config tl.UnrollLoop explicit_unroll works around it but takes ~250 s
+# to lower (196 KB of unrolled source), so it is not used.
+# Head dims over 128 ("wide": Gemma's and GPT-J's 256) take narrower key blocks: on sm90 128x64 fits two stages
+# in 192 KB of shared memory at D=256 (128x128 would need 288); on sm80 128x64 runs at ptxas' 255-register
+# limit at D=256 (4 bytes spilled with a causal GQA key) and 128x32 at 240.
 DEFAULT_CONFIGS = {
-    ("sm90", 64): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
-    ("sm90", 128): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
-    # D=80 and 96 take D=128's tile (102 and 123 KB of shared memory). D=256: block_N=64 fits two stages in
-    # 192 KB (128x128 would need 288); 128x80, FA3's tile for D=256, needs 224 KB, a candidate.
-    ("sm90", 80): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
-    ("sm90", 96): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
-    ("sm90", 256): dict(block_M=128, block_N=64, num_stages=2, threads=256, pipelined=True),
-    # sm80: 128 threads with block_M=128, D=128 spill (255 regs + 128 B spills per ptxas): use 256.
-    # num_stages=1: TileLang 0.1.15 cannot generate code for a deeper cp.async pipeline over a dynamic
-    # trip count (its epilogue's ptx_wait_group count is not a constant: "Downcast from tirx.Sub to
-    # ir.IntImm failed"); the pass config tl.UnrollLoop explicit_unroll works around it but takes ~250 s
-    # to lower (196 KB of unrolled source), so it is not used.
-    ("sm80", 64): dict(block_M=128, block_N=64, num_stages=1, threads=256),
-    ("sm80", 128): dict(block_M=128, block_N=64, num_stages=1, threads=256),
-    ("sm80", 80): dict(block_M=128, block_N=64, num_stages=1, threads=256),
-    ("sm80", 96): dict(block_M=128, block_N=64, num_stages=1, threads=256),
-    # D=256: 128x64 runs at ptxas' 255-register limit (fp16, 4 bytes spilled with a causal GQA key); 128x32 at 240.
-    ("sm80", 256): dict(block_M=128, block_N=32, num_stages=1, threads=256),
+    ("sm90", "narrow"): dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=True),
+    ("sm90", "wide"): dict(block_M=128, block_N=64, num_stages=2, threads=256, pipelined=True),
+    ("sm80", "narrow"): dict(block_M=128, block_N=64, num_stages=1, threads=256),
+    ("sm80", "wide"): dict(block_M=128, block_N=32, num_stages=1, threads=256),
 }
 FP32_CONFIG = dict(block_M=64, block_N=32, num_stages=1, threads=128)
 CPU_BLOCK_N = 32
 _CONFIG_MEMO: dict[tuple, dict] = {}  # (arch, key, size bucket) -> config, so warm calls skip pick_config
 last_config: dict[str, dict] = {}  # the GPU config used by the latest call, per arch (for benchmarks)
 
-# Small tuning spaces, timed by tuning.pick_config (TKOPT_AUTOTUNE unset or 1) for fp16/bf16: per arch,
-# or per (arch, head dim) where that key exists. Kept small: each candidate is a compile on the device.
+# Small tuning spaces, timed by tuning.pick_config (TKOPT_AUTOTUNE unset or 1) for fp16/bf16: per arch, and
+# where these keys exist per (arch, 64) for head dims up to 64 and (arch, "wide") for those over 128. Kept
+# small: each candidate is a compile on the device.
 # sm90 D=128 (H200, plain schedule, 2026-11-30): 128x128 stages 2 won non-causal, stages 1 causal by
 # 1.5%; 128x64 and 64x128 (threads 128) lost by 10-45% and were dropped. 128x176 is FA3's non-causal
 # tile for D=128 (smem 32 + 2*2*44 KB; O_shared reuses Q_shared's bytes), 192x128 with 3 consumer
@@ -117,12 +116,12 @@ TUNE_CANDIDATES = {
         dict(block_M=128, block_N=176, num_stages=2, threads=256, pipelined=True),
         dict(block_M=128, block_N=128, num_stages=2, threads=256, pipelined=False),
     ],
-    ("sm90", 256): [
+    ("sm90", "wide"): [
         dict(block_M=128, block_N=64, num_stages=2, threads=256, pipelined=True),
-        dict(block_M=128, block_N=80, num_stages=2, threads=256, pipelined=True),
+        dict(block_M=128, block_N=80, num_stages=2, threads=256, pipelined=True),  # FA3's D=256 tile: 224 KB
         dict(block_M=128, block_N=64, num_stages=2, threads=256, pipelined=False),
     ],
-    ("sm80", 256): [
+    ("sm80", "wide"): [
         dict(block_M=128, block_N=32, num_stages=1, threads=256),
         dict(block_M=64, block_N=32, num_stages=1, threads=128),
     ],
@@ -140,12 +139,27 @@ TUNE_CANDIDATES = {
 }
 
 
+def gpu_head_dim(dim: int) -> bool:
+    """Whether the GPU programs take head dim `dim`."""
+    return 0 < dim <= GPU_MAX_HEAD_DIM and dim % GPU_HEAD_DIM_STEP == 0
+
+
+def _width(dim: int) -> str:
+    return "wide" if dim > 128 else "narrow"
+
+
+def default_config(arch: str, dim: int) -> dict:
+    """The 16-bit GPU kernel's tile config on `arch` ("sm90" or "sm80") at head dim `dim` before tuning."""
+    return dict(DEFAULT_CONFIGS[(arch, _width(dim))])
+
+
 def tune_candidates(arch: str, dim: int, masked: bool = False) -> list[dict]:
     """The tuning candidates for `arch` at head dim `dim`. With a mask, tiles larger than 128x128 are left
     out: their pipelined kernels spill (ptxas, fp16: a (B, 1, S, S) bool mask 1220 B at 192x128 and 1508 B at
     128x176, a key padding mask 24 B at both; 128x128 spills nothing with a mask or without one, nor do the
     larger tiles without one)."""
-    cands = TUNE_CANDIDATES.get((arch, dim), TUNE_CANDIDATES[arch])
+    key = (arch, "wide") if dim > 128 else (arch, 64) if dim <= 64 else arch
+    cands = TUNE_CANDIDATES.get(key, TUNE_CANDIDATES[arch])
     if masked:
         cands = [c for c in cands if c["block_M"] * c["block_N"] <= 128 * 128]
     return cands
@@ -867,7 +881,7 @@ def _tuning_space(arch: str, key: tuple) -> tuple[dict, list[dict]]:
     """(the default config, the tuning candidates) of a 16-bit GPU kernel with compile key `key`: the one
     definition _pick_config and planned_kernels share."""
     dim, masked = key[1], key[6] is not None  # gpu_program's head dim and mask_kind
-    return dict(DEFAULT_CONFIGS[(arch, dim)]), tune_candidates(arch, dim, masked)
+    return default_config(arch, dim), tune_candidates(arch, dim, masked)
 
 
 def _pick_config(arch: str, key: tuple, dtype: str, dim: int, run_with) -> dict:
@@ -890,8 +904,9 @@ def _kernel_dtype(q: torch.Tensor, arch: str, guard: str) -> str:
         return _CPU_DTYPES[q.dtype]
     if q.dtype not in _GPU_DTYPES:
         raise UnsupportedError(f"flash_attention: {arch} supports float16/bfloat16/float32, not {q.dtype}")
-    if dim not in GPU_HEAD_DIMS:
-        raise UnsupportedError(f"flash_attention: {arch} supports head dims {GPU_HEAD_DIMS}, not {dim}")
+    if not gpu_head_dim(dim):
+        raise UnsupportedError(f"flash_attention: {arch} supports head dims that are multiples of "
+                               f"{GPU_HEAD_DIM_STEP} up to {GPU_MAX_HEAD_DIM}, not {dim}")  # fmt: skip
     return _GPU_DTYPES[q.dtype]
 
 
