@@ -148,7 +148,7 @@ def test_gpu_target_without_cuda_ort_builds_reports_what_it_wrote(exports: dict[
     """--target sm90 where no CUDA onnxruntime is: the library is built (nvcc), selection keeps every fusion
     with a kernel (nothing to measure on), the accuracy check runs the fused ops' references instead of
     crashing in ORT, each with one line saying so, and the report counts what the written model holds (the
-    attention's head dim 16 has no sm90 kernel: left unfused, not reported fused)."""
+    attention at head dim 16 among it: nvcc builds its sm90 kernel into the library)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
     if "CUDAExecutionProvider" in ort.get_available_providers():
@@ -160,12 +160,12 @@ def test_gpu_target_without_cuda_ort_builds_reports_what_it_wrote(exports: dict[
     rep = json.loads(captured.out)
     assert any("the sm90 op library is built, not run: " in n and "torch references" in n for n in rep["notes"])
     assert rep["select"] == "all" and rep["accuracy"]["ok"] and rep["accuracy"]["fused_runner"] == "hybrid"
-    assert "Traceback" not in captured.err and captured.err.count("kernel failed") == 1
+    assert "Traceback" not in captured.err and "kernel failed" not in captured.err
     written = onnx.load(str(out), load_external_data=False)
     fused_ops = sorted(n.op_type for n in written.graph.node if n.domain == "tkopt")
     kept = sorted(n["op"] for n in rep["nodes"] if n["decision"] == "kept")
-    assert fused_ops == kept == ["FusedAddNorm", "FusedAddNorm"] and rep["total_fused"] == 2
-    assert [n["op"] for n in rep["nodes"] if n["decision"] == "kernel_failed"] == ["FusedAttention"]
+    assert fused_ops == kept == ["FusedAddNorm", "FusedAddNorm", "FusedAttention"] and rep["total_fused"] == 3
+    assert not [n for n in rep["nodes"] if n["decision"] == "kernel_failed"]
     assert {p.key: p.value for p in written.metadata_props}["tkopt.target"] == "sm90"
     assert Path(rep["library"]).is_file()
     with pytest.raises(tkopt.ort.OpLibraryError, match="built for sm90, which runs on ONNX Runtime's CUDA provider"):
