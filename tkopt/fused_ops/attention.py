@@ -151,8 +151,7 @@ def program(node: Node, arch: str) -> ProgramSpec:
         build = lambda: attention.cpu_program(*args)  # noqa: E731
     else:
         if not attention.gpu_head_dim(dim):
-            raise Unservable(f"{node.name}: head dim {dim} (GPU kernels: multiples of "
-                             f"{attention.GPU_HEAD_DIM_STEP} up to {attention.GPU_MAX_HEAD_DIM})")  # fmt: skip
+            raise Unservable(f"{node.name}: head dim {dim} (GPU kernels: {attention.GPU_HEAD_DIMS_TEXT})")
         cfg = attention.FP32_CONFIG if dtype == "float32" else attention.default_config(arch, dim)
         key = ("attn", arch, *args, tuple(cfg.items()))
         build = lambda: attention.gpu_program(*args, **cfg)  # noqa: E731

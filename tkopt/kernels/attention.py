@@ -65,6 +65,7 @@ MEMORY_LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 
 # compiles without spills at its default tile (checked across 16..256 on sm90 and sm80, 2026-12-07).
 GPU_HEAD_DIM_STEP = 16
 GPU_MAX_HEAD_DIM = 256
+GPU_HEAD_DIMS_TEXT = f"multiples of {GPU_HEAD_DIM_STEP} up to {GPU_MAX_HEAD_DIM}"  # for refusals
 CPU_MAX_HEAD_DIM = 256
 _GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _CPU_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -158,7 +159,7 @@ def tune_candidates(arch: str, dim: int, masked: bool = False) -> list[dict]:
     out: their pipelined kernels spill (ptxas, fp16: a (B, 1, S, S) bool mask 1220 B at 192x128 and 1508 B at
     128x176, a key padding mask 24 B at both; 128x128 spills nothing with a mask or without one, nor do the
     larger tiles without one)."""
-    key = (arch, "wide") if dim > 128 else (arch, 64) if dim <= 64 else arch
+    key = (arch, "wide") if _width(dim) == "wide" else (arch, 64) if dim <= 64 else arch
     cands = TUNE_CANDIDATES.get(key, TUNE_CANDIDATES[arch])
     if masked:
         cands = [c for c in cands if c["block_M"] * c["block_N"] <= 128 * 128]
@@ -905,8 +906,7 @@ def _kernel_dtype(q: torch.Tensor, arch: str, guard: str) -> str:
     if q.dtype not in _GPU_DTYPES:
         raise UnsupportedError(f"flash_attention: {arch} supports float16/bfloat16/float32, not {q.dtype}")
     if not gpu_head_dim(dim):
-        raise UnsupportedError(f"flash_attention: {arch} supports head dims that are multiples of "
-                               f"{GPU_HEAD_DIM_STEP} up to {GPU_MAX_HEAD_DIM}, not {dim}")  # fmt: skip
+        raise UnsupportedError(f"flash_attention: {arch} supports head dims that are {GPU_HEAD_DIMS_TEXT}, not {dim}")
     return _GPU_DTYPES[q.dtype]
 
 

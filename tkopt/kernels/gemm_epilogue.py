@@ -1216,10 +1216,9 @@ def planned_kernels(kind, build: Build, M, N, K, dtype, act, has_bias, has_res, 
         return []
     arch = build.arch
     precision = fp32_precision(arch, dtype)
-    library = (kind == "gemm" and build.gpu is not None and has_bias and not has_res and act in LIBRARY_EPILOGUES
-               and _library_choice(arch, _library_key(M, N, K, dtype, act, b_t, precision)))
-    if library:  # decided for cuBLASLt's epilogue (gemm): it builds nothing
-        return []
+    if (kind == "gemm" and _library_epilogue(build.gpu is not None, has_bias, act, has_res)
+            and _library_choice(arch, _library_key(M, N, K, dtype, act, b_t, precision))):
+        return []  # decided for cuBLASLt's epilogue: it builds nothing
     Np, Kp, gp = _padded(arch, N, K, dtype, groups)
     default, cands = tuning_space(arch, M, Np, dtype, gated, precision, build.sms, gp)
     if gp and not _group_valid(_candidate(default), arch, dtype, Np, gp, precision):
@@ -1334,8 +1333,14 @@ _TILELANG, _LIBRARY = {"kernel": "tilelang"}, {"kernel": "cublaslt"}
 
 
 def library_serves(a, bias, act, residual) -> bool:
-    """Whether cuBLASLt's fused epilogue computes this `gemm` call: CUDA, a bias, relu or gelu_tanh, no residual."""
-    return a.is_cuda and bias is not None and residual is None and act in LIBRARY_EPILOGUES
+    """Whether cuBLASLt's fused epilogue computes this `gemm` call."""
+    return _library_epilogue(a.is_cuda, bias is not None, act, residual is not None)
+
+
+def _library_epilogue(cuda: bool, has_bias: bool, act, has_res: bool) -> bool:
+    """Whether cuBLASLt's fused epilogue computes a `gemm` call like this: CUDA, a bias, relu or gelu_tanh, no
+    residual (`library_serves` on tensors; `planned_kernels` on their description)."""
+    return cuda and has_bias and not has_res and act in LIBRARY_EPILOGUES
 
 
 def _library_gemm(a, b, bias, act, b_transposed, out):
