@@ -255,6 +255,8 @@ class CompiledModule(nn.Module):
         self.plain: Any = None  # the alternative that won the first comparison: every call goes to it
         self.backend: Any = None  # where the module cannot be exported: the tkopt backend that `plain` calls
         self.export_error: str | None = None  # then why: torch.export's error, as one line
+        self.plain_specs: dict[tuple[int, tuple[str, ...]], pytree.TreeSpec] = {}  # `_flatten`'s, per call form
+        self.boxes_outputs: dict[int, bool] = {}  # per specialization: whether its outputs hold objects to rebuild
 
     @property
     def tkopt_report(self) -> Report:
@@ -329,9 +331,7 @@ class CompiledModule(nn.Module):
 
         def as_user(run: Any) -> Any:  # tkopt's program behind this module's own call path
             def user_call(*a: Any, **kw: Any) -> Any:
-                boxer = Boxer()
-                boxed = boxer.box((a, kw))
-                return self._call(index, run, boxer, boxed, *pytree.tree_flatten((boxed, {})))
+                return self._call(index, run, *self._flatten(a, kw))
 
             return user_call
 
@@ -383,26 +383,43 @@ class CompiledModule(nn.Module):
         torch.compile(module) is not raced: see the module docstring."""
         return {"eager": lambda: self.module}
 
-    def _call(self, index: int, run: Any, boxer: Boxer, boxed: tuple[tuple, dict], flat: list[Any],
-              spec: pytree.TreeSpec) -> Any:
-        """A call of tkopt's program `run` (specialization `index`) on the user's arguments, boxed by `boxer`
-        (`flat`, `spec`: `(boxed, {})` flattened): replayed as a CUDA graph where it can be, the objects passed
-        in updated to the state the model left."""
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[list[Any], tuple[tuple, dict], list[Any], pytree.TreeSpec]:
+        """A call's arguments as the programs take them: (the objects boxed, in box order; the boxed (args,
+        kwargs); `(boxed, {})` flattened and its spec). Arguments that are all plain tensors, the common call, skip
+        pytree's walks (boxing them changes nothing): those walks took more host time than a small model's
+        CUDA-graph replay."""
+        if all(type(x) is torch.Tensor for x in args) and all(type(x) is torch.Tensor for x in kwargs.values()):
+            form = (len(args), tuple(kwargs))
+            spec = self.plain_specs.get(form)
+            if spec is None:
+                spec = self.plain_specs[form] = pytree.tree_flatten(((args, kwargs), {}))[1]
+            return [], (args, kwargs), [*args, *kwargs.values()], spec
+        boxer = Boxer()
+        boxed = boxer.box((args, kwargs))
+        return boxer.objects, boxed, *pytree.tree_flatten((boxed, {}))
+
+    def _call(self, index: int, run: Any, objects: list[Any], boxed: tuple[tuple, dict],
+              flat: list[Any], spec: pytree.TreeSpec) -> Any:
+        """A call of tkopt's program `run` (specialization `index`) on the user's arguments (`_flatten`):
+        replayed as a CUDA graph where it can be, the objects passed in updated to the state the model left."""
         self.uncaptured_reason = "cuda_graphs=False" if not self.cuda_graphs else capturable(flat, self.module)
         if self.uncaptured_reason is not None:
             out, finals = run(*boxed)
         else:
             # `run` in the key: the whole-graph race calls two of tkopt's programs for one specialization
             out, finals = self.graphs((index, run, signature(flat)), run, flat, spec)
-        unbox(finals, boxer.objects)
-        return unbox(out, boxer.objects)[0]
+        if objects:
+            unbox(finals, objects)
+        boxes = self.boxes_outputs.get(index)
+        if boxes is None:  # one program's outputs have one structure: looked at once
+            leaves = pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, Boxed))
+            boxes = self.boxes_outputs[index] = any(isinstance(x, Boxed) for x in leaves)
+        return unbox(out, objects)[0] if boxes else out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.plain is not None:
             return self.plain(*args, **kwargs)
-        boxer = Boxer()
-        boxed = boxer.box((args, kwargs))
-        flat, spec = pytree.tree_flatten((boxed, {}))
+        objects, boxed, flat, spec = self._flatten(args, kwargs)
         index = next((i for i, e in enumerate(self.specializations) if e.accepts(spec, flat)), None)
         if index is None:
             if self.specialize(*boxed) is None:
@@ -412,7 +429,7 @@ class CompiledModule(nn.Module):
         if not entry.graphed:
             self.uncaptured_reason = f"the plain alternative runs ({entry.report.whole_graph.winner})"
             return entry.run(*args, **kwargs)
-        return self._call(index, entry.run, boxer, boxed, flat, spec)
+        return self._call(index, entry.run, objects, boxed, flat, spec)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

@@ -141,3 +141,27 @@ def test_check_accuracy_needs_an_exported_program() -> None:
     with pytest.raises(RuntimeError, match="torch.export cannot export DataDependent .*check_accuracy needs an "
                        "exported program"):
         tkopt.compile(DataDependent().eval(), torch.randn(2, 8), check_accuracy=True)
+
+
+def test_plain_tensor_arguments_flatten_as_the_boxed_path_does() -> None:
+    """Calls of plain tensors skip boxing and pytree (their host time outran a small model's CUDA graph); the
+    program must still get exactly what boxing gives it, positional and keyword, and any other call boxes."""
+    import torch.utils._pytree as pytree
+
+    from tkopt.object_trees import Boxer
+    from tkopt.torch_compile import CompiledModule
+
+    compiled = CompiledModule(nn.Identity(), (), None, True, None, "all")
+    x, y, z = torch.randn(2), torch.randn(3), torch.randn(4)
+    for args, kwargs in (((x,), {}), ((x, y), {"mask": z}), ((), {"b": y, "a": x})):
+        boxer = Boxer()
+        boxed = boxer.box((args, kwargs))
+        want_flat, want_spec = pytree.tree_flatten((boxed, {}))
+        for _ in range(2):  # the spec computed, then remembered
+            objects, got_boxed, flat, spec = compiled._flatten(args, kwargs)
+            assert objects == [] and got_boxed == boxed and spec == want_spec
+            assert all(a is b for a, b in zip(flat, want_flat, strict=True))
+    holder = type("Holder", (), {})()
+    holder.t = x
+    objects, _, flat, _ = compiled._flatten((holder, nn.Parameter(y)), {})
+    assert objects == [holder] and len(flat) == 2  # an object is boxed; a Parameter is not a plain tensor
