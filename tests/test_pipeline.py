@@ -135,6 +135,46 @@ def test_torch_cpu_measures_against_eager_and_reuses_the_decisions(cache_dir, mo
             torch.testing.assert_close(f(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
 
 
+def test_a_kernel_probed_on_this_machine_is_not_probed_again(cache_dir, monkeypatch) -> None:
+    """A probe that passed is remembered with what it checked (the kernel's compiles, its inputs' layouts, the
+    device, the versions): a warm compile runs none, and edited kernel sources probe again."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    model, inputs = REFERENCE_MODELS["mlp"]()
+    probed: list[str] = []
+    probe = TorchTarget._probe
+    monkeypatch.setattr(TorchTarget, "_probe", lambda self, n: probed.append(n.name) or probe(self, n))
+    first = tkopt.compile(model, inputs, select="all").tkopt_report
+    assert first.total_fused and probed
+    probed.clear()
+    again = tkopt.compile(model, inputs, select="all").tkopt_report
+    assert probed == [] and again.total_fused == first.total_fused
+    monkeypatch.setattr("tkopt.targets.kernel_builds.versions", lambda: {"sources": "edited"})
+    tkopt.compile(model, inputs, select="all")
+    assert probed
+
+
+def test_a_tuned_kernel_is_probed_before_it_is_kept(cache_dir, monkeypatch) -> None:
+    """Selection's first calls tune a kept node's kernel at its real shapes, after the probe checked a
+    candidate: the winner is checked too, and one that computes wrong runs unfused, with a warning."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setattr("tkopt.pipeline._wins", lambda fused, unfused: True)
+    keys = iter(range(1000))  # every planned kernel another: as a tuning winner is after the probe
+    monkeypatch.setattr("tkopt.targets.torch_target.probe_record", lambda *a: f"probe:{next(keys)}")
+    tuned = []
+    probe, check_kept = TorchTarget._probe, TorchTarget.check_kept
+    monkeypatch.setattr(TorchTarget, "check_kept", lambda self, *a: tuned.append(True) or check_kept(self, *a))
+    monkeypatch.setattr(TorchTarget, "_probe", lambda self, n: "wrong" if tuned else probe(self, n))
+    model, inputs = REFERENCE_MODELS["mlp"]()
+    with pytest.warns(UserWarning, match="its kernel failed: its tuned kernel: wrong"):
+        compiled = tkopt.compile(model, inputs)
+    report = compiled.tkopt_report
+    assert report.nodes and all(d.decision == "kernel_failed" and d.reason == "its tuned kernel: wrong"
+                                for d in report.nodes), report.nodes
+    assert report.total_fused == 0
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
 def test_a_decision_measured_by_other_selection_code_is_measured_again(cache_dir, monkeypatch) -> None:
     """Decisions are kept for the code that measured them: the same kernels timed another way (a baseline run
     without the mask a pass left out, say) must not reuse what the old code decided."""

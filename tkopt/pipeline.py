@@ -12,6 +12,8 @@ sealed; here the report is made.
    target, at its real shapes (for dynamic dims, also at a larger size the target picks), and keeps it only
    if it is at least MARGIN faster at every size measured; decisions are cached on
    disk (tkopt.decisions), the time spent is bounded (TKOPT_SELECT_SECONDS) and shown (tkopt.progress).
+   Measuring tuned the kept nodes' kernels at their real shapes; the target checks the winners' outputs as it
+   probed the candidates (`Target.check_kept`), and a winner that fails runs unfused, with a warning.
 4. seal: drop what only the unfused fallbacks read.
 5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
 6. whole graph ("measured"): the artifact against the plain alternatives the user already has (eager;
@@ -142,14 +144,12 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
         meanwhile = (lambda: target.prepare_whole([unfused_program])) if ready else None
         with progress.step(f"building kernels for {len(build)} fused nodes on {target.where}"):
             failed = target.probe(graph, build, meanwhile)
-    for n in candidates:
-        if n.name in failed:
-            _decide(decisions[n.name], "kernel_failed", failed[n.name])
-            warnings.warn(f"tkopt: {n.name} ({n.op}) runs unfused on {target.where}: its kernel failed: "
-                          f"{failed[n.name]}", stacklevel=2)
+    _kernels_failed(candidates, failed, decisions, target)
     lap("kernels")
     if cache is not None:
         _select(graph, target, [n for n in candidates if n.name not in failed], decisions, cache, keys)
+        kept = [n for n in candidates if decisions[n.name].decision == "kept"]
+        _kernels_failed(kept, target.check_kept(graph, kept), decisions, target)
         lap("selection")
     kept = [n for n in candidates if decisions[n.name].decision == "kept"]
     unfuse(graph, [n for n in candidates if decisions[n.name].decision != "kept"])
@@ -191,6 +191,16 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     )
     remember(report)
     return Optimized(graph, emitted, artifact, report, winner)
+
+
+def _kernels_failed(nodes: list[Node], failed: dict[str, str], decisions: dict[str, NodeDecision],
+                    target: Target) -> None:
+    """Decide the `nodes` named in `failed` (node name -> why its kernel failed) unfused, with a warning."""
+    for n in nodes:
+        if n.name in failed:
+            _decide(decisions[n.name], "kernel_failed", failed[n.name])
+            warnings.warn(f"tkopt: {n.name} ({n.op}) runs unfused on {target.where}: its kernel failed: "
+                          f"{failed[n.name]}", stacklevel=3)
 
 
 def _decide(d: NodeDecision, decision: str, reason: str = "") -> None:

@@ -54,6 +54,11 @@ class Target(ABC):
         """Build (and where possible run) each node's kernel: {node name: why it fails} for those that do.
         `meanwhile` (work that needs no kernel) runs while they build, where they build outside this process."""
 
+    def check_kept(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
+        """After selection, the kernels the kept `nodes` will run, checked as `probe` checks them where selection
+        changed them (tuned them at the real shapes): {node name: why one fails}. None change by default."""
+        return {}
+
     @abstractmethod
     def node_key(self, graph: Graph, node: Node) -> Any:
         """The JSON-able key of a node's measurement (dtypes, shape buckets, attributes, what it replaced)."""

@@ -209,6 +209,35 @@ def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[
                 return
 
 
+def probe_record(node: Node, device: torch.device, fingerprint: dict[str, Any]) -> str | None:
+    """The key under which a node's passed probe is kept in `built-kernels.json`: its op, attributes and inputs'
+    layouts at the example, and the compiles its calls there use (a tuning winner is another kernel than the
+    candidate probed before tuning), on this device with these versions: the same kernel checked on the same
+    inputs would pass again. None where its inputs cannot be described (it is probed every time)."""
+    try:
+        specs = probe_specs(node)
+    except ValueError:
+        return None
+    op = schema(node.op)
+    jobs = planned_jobs(node, Build.here(device))
+    return "probe:" + digest(versions(), fingerprint, node.op, op.full_attrs(node.attrs), specs, jobs)
+
+
+def probes_passed() -> set[str]:
+    """The `probe_record` keys of the probes that passed on this machine."""
+    return {key for key in JsonFile(cache_path("built-kernels.json")).read() if key.startswith("probe:")}
+
+
+def record_probes(keys: Sequence[str | None]) -> None:
+    """Remember passed probes by their `probe_record` keys."""
+    built = JsonFile(cache_path("built-kernels.json"))
+    for key in dict.fromkeys(k for k in keys if k is not None):
+        try:
+            built.update(key, True)
+        except OSError:  # a read-only cache: the probe runs again next time, nothing worse
+            return
+
+
 def build_workers() -> int | None:
     """TKOPT_BUILD_WORKERS: at most this many build workers per compile (1: none; unset: one per core but one).
     Processes that already run side by side (pytest -n) set it so their workers do not multiply."""

@@ -73,7 +73,17 @@ from tkopt.kernels.workers import Cancel, Compile
 from tkopt.measure import Timer, Timing, compare, per_call, race
 
 from . import Measured, Target, Wins, cpu_model, replaced_signature
-from .kernel_builds import DTYPES, load, prebuild, probe_inputs, probe_specs, record_built
+from .kernel_builds import (
+    DTYPES,
+    load,
+    prebuild,
+    probe_inputs,
+    probe_record,
+    probe_specs,
+    probes_passed,
+    record_built,
+    record_probes,
+)
 
 
 def probe_error(name: str, got: torch.Tensor, want: torch.Tensor) -> OutputError:
@@ -250,10 +260,36 @@ class TorchTarget(Target):
         with self._timed("kernels: loads here (compiles where no worker built)"):
             load(compiles)
         with self._timed("kernels: probes"):
-            reasons = {k: self._probe(group[0]) for k, group in groups.items()}
+            reasons = self._probes(groups)
         record_built([n for k, group in groups.items() if reasons[k] is None for n in group], self.device,
                      self.fingerprint(), sizes)
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
+
+    def check_kept(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
+        """Selection's first calls tuned the kept nodes' kernels at their real shapes: where a tuning winner is not
+        the candidate the probe ran, it is probed now, before it is kept (measurement times outputs, it does not
+        check them)."""
+        if not use_kernels():
+            return {}
+        groups: dict[str, list[Node]] = {}
+        for n in nodes:
+            groups.setdefault(repr(_probe_key(n)), []).append(n)
+        with self._timed("selection: probes of tuned kernels"):
+            reasons = self._probes(groups)
+        return {n.name: f"its tuned kernel: {reasons[k]}" for k, group in groups.items() for n in group
+                if reasons[k] is not None}
+
+    def _probes(self, groups: dict[str, list[Node]]) -> dict[str, str | None]:
+        """`_probe` of each group's first node, except where that very kernel passed on these inputs before on
+        this machine (`probe_record`): a warm compile runs no probe."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            records = {k: probe_record(group[0], self.device, self.fingerprint()) for k, group in groups.items()}
+        passed = probes_passed()
+        reasons = {k: None if records[k] in passed else self._probe(group[0]) for k, group in groups.items()}
+        record_probes([records[k] for k in groups if reasons[k] is None and records[k] not in passed])
+        return reasons
 
     def _wave(self, nodes: list[Node], sizes: list[Mapping[Any, int]], cancel: Cancel) -> list[Compile]:
         """prebuild, its own duration kept apart: what runs beside it may take longer."""
