@@ -280,10 +280,10 @@ def test_a_cold_compile_builds_in_one_wave_and_tunes_only_at_real_shapes(caches,
     progress, probe = tuning._progress, TorchTarget._probe
     monkeypatch.setattr(tuning, "_progress", lambda n, desc: tuned.append(in_probe[0]) or progress(n, desc))
 
-    def probing(self, node):
+    def probing(self, node, at=None):
         in_probe[0] = True
         try:
-            return probe(self, node)
+            return probe(self, node, at)
         finally:
             in_probe[0] = False
 

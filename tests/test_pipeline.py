@@ -142,7 +142,7 @@ def test_a_kernel_probed_on_this_machine_is_not_probed_again(cache_dir, monkeypa
     model, inputs = REFERENCE_MODELS["mlp"]()
     probed: list[str] = []
     probe = TorchTarget._probe
-    monkeypatch.setattr(TorchTarget, "_probe", lambda self, n: probed.append(n.name) or probe(self, n))
+    monkeypatch.setattr(TorchTarget, "_probe", lambda self, n, at=None: probed.append(n.name) or probe(self, n, at))
     first = tkopt.compile(model, inputs, select="all").tkopt_report
     assert first.total_fused and probed
     probed.clear()
@@ -163,7 +163,7 @@ def test_a_tuned_kernel_is_probed_before_it_is_kept(cache_dir, monkeypatch) -> N
     tuned = []
     probe, check_kept = TorchTarget._probe, TorchTarget.check_kept
     monkeypatch.setattr(TorchTarget, "check_kept", lambda self, *a: tuned.append(True) or check_kept(self, *a))
-    monkeypatch.setattr(TorchTarget, "_probe", lambda self, n: "wrong" if tuned else probe(self, n))
+    monkeypatch.setattr(TorchTarget, "_probe", lambda self, n, at=None: "wrong" if tuned else probe(self, n, at))
     model, inputs = REFERENCE_MODELS["mlp"]()
     with pytest.warns(UserWarning, match="its kernel failed: its tuned kernel: wrong"):
         compiled = tkopt.compile(model, inputs)
@@ -171,6 +171,32 @@ def test_a_tuned_kernel_is_probed_before_it_is_kept(cache_dir, monkeypatch) -> N
     assert report.nodes and all(d.decision == "kernel_failed" and d.reason == "its tuned kernel: wrong"
                                 for d in report.nodes), report.nodes
     assert report.total_fused == 0
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_kept_kernels_are_probed_at_every_size_selection_measured(cache_dir, monkeypatch) -> None:
+    """A dynamic graph is measured at a larger size too, where a node's kernel may be another (a GEMM's tile for
+    more rows, another bucket's tuning winner): that kernel is probed there before the node is kept, and one
+    that computes wrong there is declined, naming the size."""
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setattr("tkopt.pipeline._wins", lambda fused, unfused: True)
+    larger: list[str] = []
+    probe = TorchTarget._probe
+
+    def probing(self, n, at=None):
+        if at:
+            larger.append(n.name)
+            return "wrong"
+        return probe(self, n, at)
+
+    monkeypatch.setattr(TorchTarget, "_probe", probing)
+    model, inputs = REFERENCE_MODELS["mlp"]()
+    with pytest.warns(UserWarning, match=r"its kernel failed: its tuned kernel at .+: wrong"):
+        compiled = tkopt.compile(model, inputs, dynamic=True)
+    report = compiled.tkopt_report
+    assert larger and report.nodes and report.total_fused == 0
+    assert all(d.decision == "kernel_failed" and d.reason.startswith("its tuned kernel at ") for d in report.nodes)
     with torch.no_grad():
         torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
 

@@ -12,8 +12,9 @@ sealed; here the report is made.
    target, at its real shapes (for dynamic dims, also at a larger size the target picks), and keeps it only
    if it is at least MARGIN faster at every size measured; decisions are cached on
    disk (tkopt.decisions), the time spent is bounded (TKOPT_SELECT_SECONDS) and shown (tkopt.progress).
-   Measuring tuned the kept nodes' kernels at their real shapes; the target checks the winners' outputs as it
-   probed the candidates (`Target.check_kept`), and a winner that fails runs unfused, with a warning.
+   Measuring tuned the kept nodes' kernels at their real shapes, at each size; the target checks the kernels
+   they run there as it probed the candidates (`Target.check_kept`), and a node whose kernel fails there runs
+   unfused, with a warning.
 4. seal: drop what only the unfused fallbacks read.
 5. emit: the target's artifact (an fx.GraphModule; an ONNX model and its op library).
 6. whole graph ("measured"): the artifact against the plain alternatives the user already has (eager;

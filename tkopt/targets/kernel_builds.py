@@ -90,9 +90,12 @@ def input_specs(node: Node) -> list[InputSpec]:
     return specs
 
 
-def probe_specs(node: Node) -> list[InputSpec]:
+def probe_specs(node: Node, at: Mapping[Any, int] | None = None) -> list[InputSpec]:
     """What a node's kernels are built and probed on: its example inputs' shapes and strides where the graph
-    holds them (a GEMM's tile depends on its rows, attention's kernel on its inputs' layouts), else small ones."""
+    holds them (a GEMM's tile depends on its rows, attention's kernel on its inputs' layouts), else small ones;
+    with `at` (the input symbols' sizes at another size selection measures), there."""
+    if at is not None:
+        return example_specs(node, at)
     try:
         return example_specs(node)
     except ValueError:
@@ -166,15 +169,16 @@ def planned_jobs(node: Node, build: Build, sizes: Sequence[Mapping[Any, int]] = 
     """The compiles a node's calls at its example shapes use (module docstring), and at each of `sizes` (the
     input symbols' sizes selection measures it at too: a GEMM with few rows at the example tunes there); none
     where its inputs cannot be described or its op refuses them (the probe then says why)."""
+    return list(dict.fromkeys(job for at in (None, *sizes) for job in _compiles_at(node, build, at)))
+
+
+def _compiles_at(node: Node, build: Build, at: Mapping[Any, int] | None = None) -> list[Compile]:
+    """The compiles a node's calls use at the example (`at` None) or at the input symbols' sizes `at`."""
     op = schema(node.op)
-    jobs: list[Compile] = []
-    for at in (None, *sizes):
-        try:
-            specs = probe_specs(node) if at is None else example_specs(node, at)
-            jobs += op.compiles(specs, op.full_attrs(node.attrs), build)
-        except Exception:  # noqa: BLE001 - the probe, or the measurement there, runs the kernel and reports it
-            continue
-    return list(dict.fromkeys(jobs))
+    try:
+        return op.compiles(probe_specs(node, at), op.full_attrs(node.attrs), build)
+    except Exception:  # noqa: BLE001 - the probe, or the measurement there, runs the kernel and reports it
+        return []
 
 
 # Seconds one compile of each kind takes for sm90 (benchmarks/build_wave.py --sample: BERT-base's kernels, one
@@ -209,18 +213,19 @@ def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[
                 return
 
 
-def probe_record(node: Node, device: torch.device, fingerprint: dict[str, Any]) -> str | None:
+def probe_record(node: Node, device: torch.device, fingerprint: dict[str, Any],
+                 at: Mapping[Any, int] | None = None) -> str | None:
     """The key under which a node's passed probe is kept in `built-kernels.json`: its op, attributes and inputs'
-    layouts at the example, and the compiles its calls there use (a tuning winner is another kernel than the
-    candidate probed before tuning), on this device with these versions: the same kernel checked on the same
-    inputs would pass again. None where its inputs cannot be described (it is probed every time)."""
+    layouts at the example (or at the symbols' sizes `at`), and the compiles its calls there use (a tuning winner
+    is another kernel than the candidate probed before tuning), on this device with these versions: the same
+    kernel checked on the same inputs would pass again. None where its inputs cannot be described (it is probed
+    every time)."""
     try:
-        specs = probe_specs(node)
+        specs = probe_specs(node, at)
     except ValueError:
         return None
-    op = schema(node.op)
-    jobs = planned_jobs(node, Build.here(device))
-    return "probe:" + digest(versions(), fingerprint, node.op, op.full_attrs(node.attrs), specs, jobs)
+    jobs = _compiles_at(node, Build.here(device), at)
+    return "probe:" + digest(versions(), fingerprint, node.op, schema(node.op).full_attrs(node.attrs), specs, jobs)
 
 
 def probes_passed() -> set[str]:

@@ -266,28 +266,34 @@ class TorchTarget(Target):
         return {n.name: reasons[k] for k, group in groups.items() for n in group if reasons[k] is not None}
 
     def check_kept(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
-        """Selection's first calls tuned the kept nodes' kernels at their real shapes: where a tuning winner is not
-        the candidate the probe ran, it is probed now, before it is kept (measurement times outputs, it does not
-        check them)."""
+        """Selection's first calls tuned the kept nodes' kernels at their real shapes, at each size it measured:
+        where the kernel a node runs there (a tuning winner; at a larger size, a GEMM's tile for more rows) is not
+        one a probe checked, it is probed now, at that size, before the node is kept (measurement times outputs,
+        it does not check them)."""
         if not use_kernels():
             return {}
         groups: dict[str, list[Node]] = {}
         for n in nodes:
             groups.setdefault(repr(_probe_key(n)), []).append(n)
+        sized = self.sized.get(id(graph.meta.get("fx_module")))
+        failed: dict[str, str] = {}
         with self._timed("selection: probes of tuned kernels"):
-            reasons = self._probes(groups)
-        return {n.name: f"its tuned kernel: {reasons[k]}" for k, group in groups.items() for n in group
-                if reasons[k] is not None}
+            for i, size in enumerate(sized[1] if sized is not None else [None]):
+                at = size.dims if i else None
+                where = f" at {size.label}" if i else ""
+                reasons = self._probes({k: g for k, g in groups.items() if k not in failed}, at)
+                failed |= {k: f"its tuned kernel{where}: {why}" for k, why in reasons.items() if why is not None}
+        return {n.name: failed[k] for k, group in groups.items() if k in failed for n in group}
 
-    def _probes(self, groups: dict[str, list[Node]]) -> dict[str, str | None]:
-        """`_probe` of each group's first node, except where that very kernel passed on these inputs before on
-        this machine (`probe_record`): a warm compile runs no probe."""
+    def _probes(self, groups: dict[str, list[Node]], at: Mapping[Any, int] | None = None) -> dict[str, str | None]:
+        """`_probe` of each group's first node (at the example, or at the symbols' sizes `at`), except where that
+        very kernel passed on those inputs before on this machine (`probe_record`): a warm compile runs no probe."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():
-            records = {k: probe_record(group[0], self.device, self.fingerprint()) for k, group in groups.items()}
+            records = {k: probe_record(group[0], self.device, self.fingerprint(), at) for k, group in groups.items()}
         passed = probes_passed()
-        reasons = {k: None if records[k] in passed else self._probe(group[0]) for k, group in groups.items()}
+        reasons = {k: None if records[k] in passed else self._probe(group[0], at) for k, group in groups.items()}
         record_probes([records[k] for k in groups if reasons[k] is None and records[k] not in passed])
         return reasons
 
@@ -299,7 +305,7 @@ class TorchTarget(Target):
         finally:
             self.seconds["kernels: the build wave itself"] = time.perf_counter() - t0
 
-    def _probe(self, node: Node) -> str | None:
+    def _probe(self, node: Node, at: Mapping[Any, int] | None = None) -> str | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # A torch.compile backend runs under Dynamo's fake mode. No tuning: it belongs at the real shapes (the
@@ -307,7 +313,7 @@ class TorchTarget(Target):
         # reference: a kernel that computes wrong on this device is declined, as one that fails is.
         with unset_fake_temporarily(), tuning.suspended():
             try:
-                inputs = probe_inputs(probe_specs(node), self.device)
+                inputs = probe_inputs(probe_specs(node, at), self.device)
                 got = run_kernel(node.op, inputs, node.attrs)
                 want = run_reference(node.op, inputs, node.attrs)
             except Exception as e:  # noqa: BLE001 - any failure means this node's kernel is unusable
