@@ -321,7 +321,7 @@ class CompiledModule(nn.Module):
             return None
         graph = import_fx(ep)
         exported = time.perf_counter() - t0
-        flat, spec = pytree.tree_flatten(((args, kwargs), {}))
+        _, _, flat, spec = self._flatten(args, kwargs)  # plain tensors: the very spec later calls compare with
         device = first_device(flat)
         # Inductor on the rest: it fuses the elementwise ops tkopt leaves (RoPE, casts, masks) and calls
         # the tkopt:: ops as extern kernels, through their fake impls while tracing.

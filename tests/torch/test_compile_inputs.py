@@ -152,7 +152,7 @@ def test_plain_tensor_arguments_flatten_as_the_boxed_path_does() -> None:
     from tkopt.torch_compile import CompiledModule
 
     compiled = CompiledModule(nn.Identity(), (), None, True, None, "all")
-    x, y, z = torch.randn(2), torch.randn(3), torch.randn(4)
+    x, y, z = torch.randn(3, 2), torch.randn(3), torch.randn(4)
     for args, kwargs in (((x,), {}), ((x, y), {"mask": z}), ((), {"b": y, "a": x})):
         boxer = Boxer()
         boxed = boxer.box((args, kwargs))
@@ -165,3 +165,6 @@ def test_plain_tensor_arguments_flatten_as_the_boxed_path_does() -> None:
     holder.t = x
     objects, _, flat, _ = compiled._flatten((holder, nn.Parameter(y)), {})
     assert objects == [holder] and len(flat) == 2  # an object is boxed; a Parameter is not a plain tensor
+    model = nn.Sequential(nn.Linear(2, 2)).eval()
+    compiled = tkopt.compile(model, (x,), select="all")
+    assert compiled.specializations[0].in_spec is compiled._flatten((x,), {})[3]  # compared by identity per call
