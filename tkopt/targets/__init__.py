@@ -56,7 +56,8 @@ class Target(ABC):
 
     def check_kept(self, graph: Graph, nodes: list[Node]) -> dict[str, str]:
         """After selection, the kernels the kept `nodes` will run, checked as `probe` checks them where selection
-        changed them (tuned them at the real shapes): {node name: why one fails}. None change by default."""
+        changed them (tuned them at the real shapes): {node name: why one fails}. By default selection changes
+        none."""
         return {}
 
     @abstractmethod

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -203,14 +203,7 @@ def record_built(nodes: Sequence[Node], device: torch.device, fingerprint: dict[
                  sizes: Sequence[Mapping[Any, int]] = ()) -> None:
     """Note that the kernels of `nodes` (planned at the example and `sizes`) were built on this machine (their
     probes passed)."""
-    built = JsonFile(cache_path("built-kernels.json"))
-    known = built.read()
-    for key in planned_builds(nodes, device, fingerprint, sizes):
-        if key not in known:
-            try:
-                built.update(key, True)
-            except OSError:  # a read-only cache: workers start again next time, nothing worse
-                return
+    _remember(planned_builds(nodes, device, fingerprint, sizes))
 
 
 def probe_record(node: Node, device: torch.device, fingerprint: dict[str, Any],
@@ -235,11 +228,17 @@ def probes_passed() -> set[str]:
 
 def record_probes(keys: Sequence[str | None]) -> None:
     """Remember passed probes by their `probe_record` keys."""
+    _remember(k for k in keys if k is not None)
+
+
+def _remember(keys: Iterable[str]) -> None:
+    """Add `keys` to `built-kernels.json`, writing only those it lacks."""
     built = JsonFile(cache_path("built-kernels.json"))
-    for key in dict.fromkeys(k for k in keys if k is not None):
+    known = built.read()
+    for key in dict.fromkeys(k for k in keys if k not in known):
         try:
             built.update(key, True)
-        except OSError:  # a read-only cache: the probe runs again next time, nothing worse
+        except OSError:  # a read-only cache: the builds and probes run again next time, nothing worse
             return
 
 

@@ -294,7 +294,7 @@ class TorchTarget(Target):
             records = {k: probe_record(group[0], self.device, self.fingerprint(), at) for k, group in groups.items()}
         passed = probes_passed()
         reasons = {k: None if records[k] in passed else self._probe(group[0], at) for k, group in groups.items()}
-        record_probes([records[k] for k in groups if reasons[k] is None and records[k] not in passed])
+        record_probes([records[k] for k in groups if reasons[k] is None])
         return reasons
 
     def _wave(self, nodes: list[Node], sizes: list[Mapping[Any, int]], cancel: Cancel) -> list[Compile]:
