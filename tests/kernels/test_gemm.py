@@ -3,6 +3,7 @@
 import fcntl
 import hashlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import fields, replace
@@ -12,6 +13,7 @@ import torch
 from conftest import cuda_compile, lower_cuda, lowered_smem
 
 from tkopt.kernels import config as config_module
+from tkopt.kernels.activations import _GELU_TAIL, _LOG2_PHI_NEG
 from tkopt.kernels.arch import UnsupportedError
 from tkopt.kernels.config import FP32_FULL, TileConfig, default_config
 from tkopt.kernels.gated_gemm import gated_mlp, gated_mlp_program
@@ -93,6 +95,49 @@ def test_gemm_custom_cpu_tiles():
     # a GPU-style config (dict form) is accepted on cpu: its tile sizes are kept, GPU knobs dropped
     _close(gemm_custom(a, b, dict(block_tile=(8, 16, 8), stages=3), act="sigmoid"), gemm_ref(a, b, act="sigmoid"),
            1e-12)
+
+
+def test_gelu_fit_is_log2_phi_to_float32_accuracy():
+    """The exp2 fit behind float32's exact GELU: log2 Phi(-y) within 4.5e-7 on [0, _GELU_TAIL], exactly -1 at 0."""
+    y = torch.linspace(0, _GELU_TAIL, 20001, dtype=torch.float64)
+    fit = sum(c * y**i for i, c in enumerate(_LOG2_PHI_NEG))
+    true = torch.log2(0.5 * torch.special.erfc(y / math.sqrt(2)))
+    assert (fit - true).abs().max() <= 4.5e-7
+    assert _LOG2_PHI_NEG[0] == -1.0
+    assert float(0.5 * math.erfc(_GELU_TAIL / math.sqrt(2))) < 2.0**-25  # 1 - Phi(-y) rounds to 1 past the tail
+
+
+def gelu_pre_activations(device):
+    """(a, b, x): a @ b.T is exactly x, one value a row: a sweep over GELU's range and the values at its edges."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.cat([torch.linspace(-12, 12, 2401), torch.linspace(-1e-3, 1e-3, 201),
+                   torch.tensor([inf, -inf, nan, -1e30, 1e30, -0.0, _GELU_TAIL, -_GELU_TAIL, 5.49, -5.49, -5.51])])
+    a = torch.zeros(x.numel(), 8)
+    a[:, 0] = x
+    b = torch.zeros(16, 8)
+    b[:, 0] = 1.0
+    return a.to(device), b.to(device), x.double()
+
+
+def check_gelu(y, x, rel, abs_):
+    """y = GELU(x) (one column a row of x) against float64 erf GELU within rel * |GELU| + abs_; at the edges as
+    float32 erf GELU: inf stays inf, -inf (-inf * 0) and NaN give NaN, a huge negative x gives 0."""
+    y = y.double()
+    finite = x.isfinite()
+    true = x[finite] * 0.5 * torch.special.erfc(-x[finite] / math.sqrt(2))
+    err = (y[finite] - true[:, None]).abs()
+    assert (err <= rel * true.abs()[:, None] + abs_).all(), err.max()
+    assert y[x == float("inf")].eq(float("inf")).all()
+    assert y[(x == -float("inf")) | x.isnan()].isnan().all()
+    assert y[finite & (x < -1e29)].eq(0).all() and (y[finite & (x > 1e29)] == x[finite & (x > 1e29)][:, None]).all()
+
+
+def test_gelu_epilogue_matches_erf_gelu_over_its_whole_range():
+    """float32's GELU epilogue (exp2 of a fit, not erff) is exact GELU to float32 accuracy on every range, tails
+    and specials included (the CPU kernel; test_gelu_epilogue_gpu runs the GPU ones)."""
+    a, b, x = gelu_pre_activations("cpu")
+    y = gemm(a, b, act="gelu", b_transposed=True)
+    check_gelu(y, x, rel=4e-6, abs_=1.2e-7)
 
 
 def test_gemm_empty_and_k0():
@@ -935,6 +980,20 @@ def test_fp32_tf32_when_torch_allows(arch, tf32_allowed, monkeypatch, gpu_precom
     ref = gemm_ref(a.double(), b.double(), bias.double(), act, res.double(), b_transposed=bt)
     rel = ((y.double() - ref).norm() / ref.norm()).item()
     assert 1e-5 < rel < 5e-3, rel  # tf32-sized: the tf32 kernel ran, and correctly
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gelu_epilogue_gpu(arch, dtype, monkeypatch):
+    """The GPU kernels' GELU epilogue over its whole range: within half a unit of the output dtype of exact GELU."""
+    if not _gpu_arch_ok(arch):
+        pytest.skip(f"no {arch} GPU")
+    monkeypatch.setenv("TKOPT_AUTOTUNE", "0")
+    a, b, x = gelu_pre_activations("cuda")
+    y = gemm(a.to(dtype), b.to(dtype), act="gelu", b_transposed=True, arch=arch)
+    x16 = x.to(dtype).double()  # the pre-activation as the kernel sees it
+    check_gelu(y.cpu(), x16, rel=torch.finfo(dtype).eps, abs_=1e-7)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ Program builders:
 
 import torch
 
+from .activations import activation
 from .arch import UnsupportedError, arch_of
 from .constants import const
 from .norm import (
@@ -34,8 +35,6 @@ from .norm import (
 )
 from .reference import ACTIVATIONS
 from .tuning import median_ms, tuning_suspended
-
-_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 def _pair(v, name):
@@ -57,24 +56,6 @@ def _all(T, *conds):
     for c in conds[1:]:
         out = T.And(out, c)
     return out
-
-
-def _act(T, v, act):
-    """Activation on an fp32 expression (names as reference.apply_activation)."""
-    if act is None or act == "none":
-        return v
-    if act == "relu":
-        return T.max(v, const(0, "float32"))
-    if act == "gelu":
-        return v * const(0.5, "float32") * (const(1, "float32") + T.erf(v * const(0.7071067811865476, "float32")))
-    if act == "gelu_tanh":
-        return v * const(0.5, "float32") * (const(1, "float32") + T.tanh(const(_SQRT_2_OVER_PI, "float32") * (
-            v + const(0.044715, "float32") * v * v * v)))
-    if act == "silu":
-        return v / (const(1, "float32") + T.exp(-v))
-    if act == "sigmoid":
-        return const(1, "float32") / (const(1, "float32") + T.exp(-v))
-    raise ValueError(f"unknown activation {act!r}; expected one of {ACTIVATIONS}")
 
 
 def conv2d_program_gpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act, has_bias,
@@ -137,7 +118,7 @@ def conv2d_program_gpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act
                 v = c_l[i, j]
                 if has_bias:
                     v = v + T.Cast(acc, Bias[bx * block_n + j])
-                c_s[i, j] = T.Cast(dtype, _act(T, v, act))
+                c_s[i, j] = T.Cast(dtype, activation(v, act, "float32"))
             for i, j in T.Parallel(block_m, block_n):
                 if T.And(by * block_m + i < m_total, bx * block_n + j < f):
                     Y[by * block_m + i, bx * block_n + j] = c_s[i, j]
@@ -157,21 +138,6 @@ def conv2d_program_cpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act
     sh, sw = stride
     ph, pw = padding
     dh, dw = dilation
-
-    def act_c(v):
-        # CPU: same formulas, in acc (fp64 stays fp64); if_then_else instead of max (see kernel_common)
-        if act == "relu":
-            return T.if_then_else(v > const(0, acc), v, const(0, acc))
-        if act == "gelu":
-            return v * const(0.5, acc) * (const(1, acc) + T.erf(v * const(0.7071067811865476, acc)))
-        if act == "gelu_tanh":
-            return v * const(0.5, acc) * (const(1, acc) + T.tanh(const(_SQRT_2_OVER_PI, acc) * (
-                v + const(0.044715, acc) * v * v * v)))
-        if act == "silu":
-            return v / (const(1, acc) + T.exp(-v))
-        if act == "sigmoid":
-            return const(1, acc) / (const(1, acc) + T.exp(-v))
-        return v
 
     @T.prim_func
     def main(
@@ -194,7 +160,7 @@ def conv2d_program_cpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act
                         accv[0] += T.Cast(acc, X[nb, iy, ix, ci]) * T.Cast(acc, Wt[(ty * kw + tx) * c + ci, fo])
                 if has_bias:
                     accv[0] += T.Cast(acc, Bias[fo])
-                Y[mi, fo] = T.Cast(dtype, act_c(accv[0]))
+                Y[mi, fo] = T.Cast(dtype, activation(accv[0], act, acc))
 
     return main
 

@@ -42,9 +42,9 @@ import time
 
 import torch
 
+from .activations import activation
 from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
-from .constants import const
 from .libraries import gpu_compile
 from .precision import matmul_precision
 from .reference import ACTIVATIONS
@@ -53,31 +53,6 @@ from .workers import Compile, default_workers, map_in_workers
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float32, torch.float64)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT2 = 1.0 / math.sqrt(2.0)
-
-
-def _act_expr(x, act, acc):
-    """The activation as a TIR expression on an accumulator-typed value."""
-    import tilelang.language as T
-
-    if act is None:
-        return x
-    one = const(1.0, acc)
-    half = const(0.5, acc)
-    if act == "relu":
-        return T.max(x, const(0.0, acc))
-    if act == "gelu":
-        return half * x * (one + T.erf(x * const(_INV_SQRT2, acc)))
-    if act == "gelu_tanh":
-        inner = const(_SQRT_2_OVER_PI, acc) * (x + const(0.044715, acc) * x * x * x)
-        return half * x * (one + T.tanh(inner))
-    if act == "silu":
-        return x / (one + T.exp(-x))
-    if act == "sigmoid":
-        return one / (one + T.exp(-x))
-    raise UnsupportedError(f"act: unknown activation {act!r}; expected one of {ACTIVATIONS}")
-
 
 def gemm_program(
     arch: str,
@@ -198,7 +173,7 @@ def _epilogue(acc, acc2, bias_v, bias2_v, res_v, act, gated, acc_dt):
     import tilelang.language as T
 
     x = acc if bias_v is None else acc + T.cast(bias_v, acc_dt)
-    x = _act_expr(x, act, acc_dt)
+    x = activation(x, act, acc_dt)
     if gated:
         x = x * (acc2 if bias2_v is None else acc2 + T.cast(bias2_v, acc_dt))
     if res_v is not None:
