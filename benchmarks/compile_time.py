@@ -6,7 +6,10 @@ again), tkopt.compile cold (fresh TKOPT_CACHE_DIR, TILELANG_CACHE_DIR and induct
 dirs again). Each measures the wall time from building the compiled object to the end of its first call
 (synchronized), then times a few calls after it, so a compile that is cheap because it left work for later
 calls (or ran something else) is visible, and checks the first output against eager's. The tkopt runs add
-the report's laps (passes, kernels, selection, emit, whole graph).
+the report's laps (passes, kernels, selection, emit, whole graph). A model compiled at one size and served at
+another (`compile_inputs`: the Llama-style model compiled at 4x2048, served at 1x8192) is first called at its
+compile size, then at its serving size: that first call there recompiles (torch.compile's automatic dynamic
+shapes, tkopt.compile's dynamic export) and is timed on its own ("resize"; the laps are then its report's).
 
     python benchmarks/compile_time.py --out DIR [--models encoder_layer_8x512 ...] [--device cpu]
 
@@ -43,20 +46,24 @@ VARIANTS = {"torch_compile": "inductor", "tkopt": "tkopt"}  # ours -> whole_mode
 BYTECODE_PACKAGES = ("torch", "triton", "sympy", "tilelang", "tvm", "tvm_ffi", "tkopt")
 RUNS = ("cold", "warm")
 LAPS = ("export", "passes", "kernels", "selection", "emit", "whole graph")
-# A CPU smoke run's model: the encoder layer's shape at a size the CPU compiles in seconds.
-TINY = wm.Model("encoder_layer_tiny_2x16", lambda: nn.TransformerEncoderLayer(64, 4, 128, batch_first=True),
-                lambda: (torch.randn(2, 16, 64, device=wm.DEVICE),))
+# A CPU smoke run's model: the encoder layer's shape at sizes the CPU compiles in seconds, served at another.
+TINY = wm.Model("encoder_layer_tiny_1x24_from_2x16",
+                lambda: nn.TransformerEncoderLayer(64, 4, 128, batch_first=True),
+                lambda: (torch.randn(1, 24, 64, device=wm.DEVICE),),
+                compile_inputs=lambda: (torch.randn(2, 16, 64, device=wm.DEVICE),))
 MODELS = {**wm.MODELS, TINY.name: TINY}
 
 
 def child(model_name: str, variant: str, calls: int, profile: str | None = None) -> dict[str, Any]:
-    """One measurement in this (fresh) process: build the compiled object, call it once, time `calls` more.
+    """One measurement in this (fresh) process: build the compiled object, call it once (at its compile size, then
+    at its serving size where they differ), time `calls` more.
     With `profile` (a file name), cProfile's top functions (cumulative) of the build and first call go in
     "profile", and the whole profile to that file (pstats)."""
     m = MODELS[model_name]
     torch.manual_seed(0)
     model = m.module()
     inputs = m.cast_inputs()
+    first = m.cast(m.compile_inputs()) if m.compile_inputs else inputs
     out: dict[str, Any] = {}
     if variant == "tkopt":
         import tkopt  # noqa: F401 - imported up front, as a user's script does (torch already is)
@@ -64,11 +71,16 @@ def child(model_name: str, variant: str, calls: int, profile: str | None = None)
     with torch.no_grad():
         t0 = time.perf_counter()
         with profiler or contextlib.nullcontext():
-            fn = wm.make_variant(VARIANTS[variant], model, inputs)
+            fn = wm.make_variant(VARIANTS[variant], model, first)
             out["build_s"] = time.perf_counter() - t0
-            got = fn(*inputs)
+            got = fn(*first)
             wm._sync()
-        out["first_call_s"] = time.perf_counter() - t0
+            out["first_call_s"] = time.perf_counter() - t0
+            if m.compile_inputs:
+                t1 = time.perf_counter()
+                got = fn(*inputs)
+                wm._sync()
+                out["resize_s"] = time.perf_counter() - t1
         out["modules"] = len(sys.modules)  # imported by the build and first call (and before them)
         out["imported_tilelang"] = "tilelang" in sys.modules
         if profiler is not None:
@@ -141,16 +153,17 @@ def compile_bytecode(prefix: Path) -> float:
     return time.perf_counter() - t0
 
 
-def ratios(row: dict[str, Any]) -> dict[str, float | None]:
+def ratios(row: dict[str, Any], key: str = "first_call_s") -> dict[str, float | None]:
+    """tkopt / torch.compile per run, of the first call's seconds (`key`; "resize_s": of the first call served)."""
     out: dict[str, float | None] = {}
     for run in RUNS:
-        ours, theirs = (row["runs"].get(v, {}).get(run, {}).get("first_call_s") for v in ("tkopt", "torch_compile"))
+        ours, theirs = (row["runs"].get(v, {}).get(run, {}).get(key) for v in ("tkopt", "torch_compile"))
         out[run] = ours / theirs if ours is not None and theirs else None
     return out
 
 
-def _s(v: dict[str, Any]) -> str:
-    return "FAILED" if "error" in v else f"{v['first_call_s']:.1f}" if "first_call_s" in v else "-"
+def _s(v: dict[str, Any], key: str = "first_call_s") -> str:
+    return "FAILED" if "error" in v else f"{v[key]:.1f}" if key in v else "-"
 
 
 def _after(v: dict[str, Any]) -> str:
@@ -171,7 +184,17 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                  *("-" if q[run] is None else f"{q[run]:.2f}x" for run in RUNS),
                  f"{_after(tc.get('warm', {}))} / {_after(tk.get('warm', {}))}"]
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
-    lines += ["", "## tkopt.compile's laps (report.seconds), s", "",
+    resized = [r for r in rows if "resize" in r]
+    if resized:
+        lines += ["", "Served at another size: its first call there (a recompile), s. Ratio: tkopt / torch.compile.",
+                  "", "| model | torch.compile cold | warm | tkopt cold | warm | cold ratio | warm ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in resized:
+            tc, tk, q = r["runs"].get("torch_compile", {}), r["runs"].get("tkopt", {}), r["resize"]
+            cells = [_s(x.get(run, {}), "resize_s") for x in (tc, tk) for run in RUNS]
+            lines.append(f"| {r['model']} | " + " | ".join(cells) + " | "
+                         + " | ".join("-" if q[run] is None else f"{q[run]:.2f}x" for run in RUNS) + " |")
+    lines += ["", "## tkopt.compile's laps (report.seconds; the served size's where it was resized), s", "",
               "| model | run | " + " | ".join(LAPS) + " | fused | calls run | max rel err |",
               "|---|---|" + "---|" * (len(LAPS) + 3)]
     for r in rows:
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for compile_time.json and .md")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
-                   help="default: encoder_layer_8x512 (cuda), encoder_layer_tiny_2x16 (cpu)")
+                   help=f"default: encoder_layer_8x512 (cuda), {TINY.name} (cpu)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 smoke run of the script only")
     p.add_argument("--calls", type=int, default=5, help="calls timed after the first")
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds one measurement may take")
@@ -240,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
                     v = row["runs"].setdefault(variant, {})[run] = measure(model, variant, run, dirs, args, bytecode)
                     print(f"  {variant} {run}: " + (v["error"] if "error" in v else
                           f"first call {v['first_call_s']:.1f} s, after {_after(v)} ms"
+                          + (f", first call served {v['resize_s']:.1f} s" if "resize_s" in v else "")
                           + (f", laps {json.dumps({k: round(s, 1) for k, s in v['seconds'].items()})}"
                              if "seconds" in v else "")), flush=True)
                     row["ratios"] = ratios(row)
+                    if MODELS[model].compile_inputs:
+                        row["resize"] = ratios(row, "resize_s")
                     wm._write(out / "compile_time.json", json.dumps({"meta": meta, "results": rows}, indent=2,
                                                                     default=str))
                     wm._write(out / "compile_time.md", markdown(rows, meta))

@@ -74,7 +74,12 @@ class Model:
 
     def cast_inputs(self) -> tuple[torch.Tensor, ...]:
         """A fresh random input set, floating inputs in the benchmark's dtype."""
-        return tuple(x.to(DTYPE) if x.is_floating_point() else x for x in self.inputs())
+        return self.cast(self.inputs())
+
+    @staticmethod
+    def cast(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """`inputs` with the floating ones in the benchmark's dtype."""
+        return tuple(x.to(DTYPE) if x.is_floating_point() else x for x in inputs)
 
 
 class LastHidden(nn.Module):
@@ -306,7 +311,7 @@ def run_model(m: Model, variants: list[str], args: argparse.Namespace, ceil: dic
             row["variants"][name] = v
             try:
                 t0 = time.perf_counter()
-                first = tuple(m.compile_inputs()) if m.compile_inputs else inputs
+                first = m.cast(m.compile_inputs()) if m.compile_inputs else inputs
                 graphs = _dynamo_graphs()
                 fn = make_variant(name, model, first)
                 if m.compile_inputs:

@@ -1,5 +1,6 @@
 """benchmarks/compile_time.py's CPU smoke run: four fresh processes per model (torch.compile and tkopt.compile,
-cold and warm), each result and ratio written as JSON and markdown. The numbers are the H200's business."""
+cold and warm), each compiling at one size and then serving another, each result and ratio written as JSON and
+markdown. The numbers are the H200's business."""
 
 from __future__ import annotations
 
@@ -24,19 +25,26 @@ def test_cpu_smoke_run_measures_cold_and_warm_in_fresh_processes(tmp_path) -> No
     result = json.loads((tmp_path / "compile_time.json").read_text())
     assert result["meta"]["bytecode caches"] == "compiled ahead" and result["meta"]["bytecode compiled ahead, s"] > 0
     [row] = result["results"]
-    assert row["model"] == "encoder_layer_tiny_2x16"
+    name = "encoder_layer_tiny_1x24_from_2x16"
+    assert row["model"] == name
     for variant in ("torch_compile", "tkopt"):
         for run in ("cold", "warm"):
             v = row["runs"][variant][run]
-            assert "error" not in v and 0 < v["first_call_s"] < v["process_s"], v
+            assert "error" not in v and 0 < v["first_call_s"] < v["first_call_s"] + v["resize_s"] < v["process_s"], v
             assert len(v["after_ms"]) == 2 and v["max_rel_err"] < 1e-4, v
             assert 0 < v["build_s"] < v["first_call_s"] and "cumulative" in v["profile"], v
-            profile = pstats.Stats(str(tmp_path / f"encoder_layer_tiny_2x16-{variant}-{run}.prof"))
+            profile = pstats.Stats(str(tmp_path / f"{name}-{variant}-{run}.prof"))
             assert profile.total_tt > 0
     tkopt = row["runs"]["tkopt"]
     assert {"passes", "kernels", "emit"} <= set(tkopt["cold"]["seconds"]) and tkopt["warm"]["fused"]
+    # the served size was exported again (a second specialization): its first call there holds that export
+    assert tkopt["cold"]["seconds"]["export"] < tkopt["cold"]["resize_s"]
     cold, warm = row["ratios"]["cold"], row["ratios"]["warm"]
     assert cold == tkopt["cold"]["first_call_s"] / row["runs"]["torch_compile"]["cold"]["first_call_s"] and warm > 0
+    resize = row["resize"]
+    assert resize["cold"] == tkopt["cold"]["resize_s"] / row["runs"]["torch_compile"]["cold"]["resize_s"]
     md = (tmp_path / "compile_time.md").read_text()
-    assert f"| encoder_layer_tiny_2x16 | {row['runs']['torch_compile']['cold']['first_call_s']:.1f} |" in md
-    assert f"{cold:.2f}x | {warm:.2f}x" in md and "| encoder_layer_tiny_2x16 | warm |" in md
+    assert f"| {name} | {row['runs']['torch_compile']['cold']['first_call_s']:.1f} |" in md
+    assert f"{cold:.2f}x | {warm:.2f}x" in md and f"| {name} | warm |" in md
+    assert f"| {name} | {row['runs']['torch_compile']['cold']['resize_s']:.1f} |" in md
+    assert f"{resize['cold']:.2f}x | {resize['warm']:.2f}x |" in md
