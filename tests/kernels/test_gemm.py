@@ -32,7 +32,7 @@ from tkopt.kernels.gemm_epilogue import (
     select_config,
 )
 from tkopt.kernels.precision import matmul_precision
-from tkopt.kernels.reference import gated_mlp_ref, gemm_ref
+from tkopt.kernels.reference import apply_activation, gated_mlp_ref, gemm_ref
 
 
 def _rand(*shape, dtype=torch.float64, device="cpu"):
@@ -138,6 +138,26 @@ def test_gelu_epilogue_matches_erf_gelu_over_its_whole_range():
     a, b, x = gelu_pre_activations("cpu")
     y = gemm(a, b, act="gelu", b_transposed=True)
     check_gelu(y, x, rel=4e-6, abs_=1.2e-7)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu_tanh", "silu", "sigmoid"])
+def test_activation_epilogues_keep_eager_nan_inf_and_signed_zero(act):
+    """Every epilogue activation gives torch's value at the edges (one element at a time: torch's vectorized CPU GELU
+    differs from its own scalar path at +inf): NaN stays NaN (ReLU's max(x, 0) turned it into 0: fuzz seed 6722,
+    a fully masked attention row's NaN into a Linear + ReLU), and signs of zero and tiny values are eager's."""
+    values = [float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1.5, -1.5, 1e30, -1e30, 3e-39]
+    x = torch.tensor(values)
+    a = torch.zeros(len(values), 8)
+    a[:, 0] = x
+    b = torch.zeros(16, 8)
+    b[:, 0] = 1.0
+    y = gemm(a, b, act=act, b_transposed=True)[:, 0]
+    pre = (a @ b.T)[:, 0]  # eager's pre-activation (its sum turns -0.0 into +0.0)
+    want = torch.stack([apply_activation(v.reshape(1), act)[0] for v in pre])
+    assert torch.equal(y.isnan(), want.isnan()), (y, want)
+    same = ~want.isnan()
+    assert torch.allclose(y[same], want[same], rtol=1e-6, atol=0), (y, want)
+    assert torch.equal(y[same].signbit(), want[same].signbit()), (y, want)
 
 
 def test_gemm_empty_and_k0():
@@ -994,6 +1014,28 @@ def test_gelu_epilogue_gpu(arch, dtype, monkeypatch):
     y = gemm(a.to(dtype), b.to(dtype), act="gelu", b_transposed=True, arch=arch)
     x16 = x.to(dtype).double()  # the pre-activation as the kernel sees it
     check_gelu(y.cpu(), x16, rel=torch.finfo(dtype).eps, abs_=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", [*GPU_ARCHS, "cublaslt"])
+def test_relu_epilogue_keeps_nan_gpu(arch, monkeypatch):
+    """A NaN pre-activation stays NaN through the ReLU epilogue, as torch.relu keeps it: TileLang's kernels (CUDA's
+    fmaxf(NaN, 0) is 0) and cuBLASLt's bias + ReLU epilogue, which `gemm` runs for bias + relu."""
+    if not _gpu_arch_ok("sm90" if arch == "cublaslt" else arch):
+        pytest.skip(f"no {arch} GPU")
+    from tkopt.kernels.gemm_epilogue import _library_gemm
+
+    monkeypatch.setenv("TKOPT_AUTOTUNE", "0")
+    a = torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    a[3, 5], a[7, 0] = float("nan"), float("inf")
+    b = torch.randn(48, 32, device="cuda", dtype=torch.float16)
+    bias = torch.randn(48, device="cuda", dtype=torch.float16)
+    want = torch.relu(torch.nn.functional.linear(a.float(), b.float(), bias.float()))
+    if arch == "cublaslt":
+        y = _library_gemm(a, b, bias, "relu", True, None)
+    else:
+        y = gemm(a, b, bias, act="relu", b_transposed=True, arch=arch)
+    assert torch.equal(y.isnan(), want.isnan()) and want.isnan().any(), (y.isnan().sum(), want.isnan().sum())
 
 
 @pytest.mark.gpu

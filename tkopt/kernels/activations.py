@@ -53,8 +53,8 @@ def activation(x, act: str | None, acc: str):
         return x
     one = const(1.0, acc)
     half = const(0.5, acc)
-    if act == "relu":
-        return T.max(x, const(0.0, acc))
+    if act == "relu":  # torch.relu keeps NaN (and -0.0); max(x, 0) is fmaxf on CUDA, a compare in C: both give 0
+        return T.Select(x < const(0.0, acc), const(0.0, acc), x)
     if act == "gelu" and acc == "float32":
         return _gelu_fp32(x)
     if act == "gelu":
