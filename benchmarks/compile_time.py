@@ -166,6 +166,10 @@ def _s(v: dict[str, Any], key: str = "first_call_s") -> str:
     return "FAILED" if "error" in v else f"{v[key]:.1f}" if key in v else "-"
 
 
+def _ratio(q: float | None) -> str:
+    return "-" if q is None else f"{q:.2f}x"
+
+
 def _after(v: dict[str, Any]) -> str:
     return f"{statistics.median(v['after_ms']):.3g}" if v.get("after_ms") else "-"
 
@@ -181,7 +185,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in rows:
         tc, tk, q = r["runs"].get("torch_compile", {}), r["runs"].get("tkopt", {}), r["ratios"]
         cells = [_s(tc.get("cold", {})), _s(tc.get("warm", {})), _s(tk.get("cold", {})), _s(tk.get("warm", {})),
-                 *("-" if q[run] is None else f"{q[run]:.2f}x" for run in RUNS),
+                 *(_ratio(q[run]) for run in RUNS),
                  f"{_after(tc.get('warm', {}))} / {_after(tk.get('warm', {}))}"]
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     resized = [r for r in rows if "resize" in r]
@@ -192,8 +196,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for r in resized:
             tc, tk, q = r["runs"].get("torch_compile", {}), r["runs"].get("tkopt", {}), r["resize"]
             cells = [_s(x.get(run, {}), "resize_s") for x in (tc, tk) for run in RUNS]
-            lines.append(f"| {r['model']} | " + " | ".join(cells) + " | "
-                         + " | ".join("-" if q[run] is None else f"{q[run]:.2f}x" for run in RUNS) + " |")
+            lines.append(f"| {r['model']} | " + " | ".join([*cells, *(_ratio(q[run]) for run in RUNS)]) + " |")
     lines += ["", "## tkopt.compile's laps (report.seconds; the served size's where it was resized), s", "",
               "| model | run | " + " | ".join(LAPS) + " | fused | calls run | max rel err |",
               "|---|---|" + "---|" * (len(LAPS) + 3)]

@@ -44,7 +44,7 @@ def tune_model(name: str, ops: Sequence[str] = ()) -> dict[str, int]:
     torch.manual_seed(0)
     module = m.module()
     ran: dict[str, int] = {}
-    for inputs in [m.cast_inputs()] + ([tuple(m.compile_inputs())] if m.compile_inputs else []):
+    for inputs in [m.cast_inputs()] + ([m.cast(m.compile_inputs())] if m.compile_inputs else []):
         with torch.no_grad():
             graph = import_fx(_export(module, inputs, {}, True))
             run_passes(graph, ())

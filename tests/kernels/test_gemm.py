@@ -107,16 +107,21 @@ def test_gelu_fit_is_log2_phi_to_float32_accuracy():
     assert float(0.5 * math.erfc(_GELU_TAIL / math.sqrt(2))) < 2.0**-25  # 1 - Phi(-y) rounds to 1 past the tail
 
 
-def gelu_pre_activations(device):
-    """(a, b, x): a @ b.T is exactly x, one value a row: a sweep over GELU's range and the values at its edges."""
-    inf, nan = float("inf"), float("nan")
-    x = torch.cat([torch.linspace(-12, 12, 2401), torch.linspace(-1e-3, 1e-3, 201),
-                   torch.tensor([inf, -inf, nan, -1e30, 1e30, -0.0, _GELU_TAIL, -_GELU_TAIL, 5.49, -5.49, -5.51])])
+def pre_activations(x, device="cpu"):
+    """(a, b): a @ b.T is x in its first column, one value a row (b a linear weight)."""
     a = torch.zeros(x.numel(), 8)
     a[:, 0] = x
     b = torch.zeros(16, 8)
     b[:, 0] = 1.0
-    return a.to(device), b.to(device), x.double()
+    return a.to(device), b.to(device)
+
+
+def gelu_pre_activations(device):
+    """(a, b, x): pre_activations of a sweep over GELU's range and the values at its edges."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.cat([torch.linspace(-12, 12, 2401), torch.linspace(-1e-3, 1e-3, 201),
+                   torch.tensor([inf, -inf, nan, -1e30, 1e30, -0.0, _GELU_TAIL, -_GELU_TAIL, 5.49, -5.49, -5.51])])
+    return *pre_activations(x, device), x.double()
 
 
 def check_gelu(y, x, rel, abs_):
@@ -145,12 +150,8 @@ def test_activation_epilogues_keep_eager_nan_inf_and_signed_zero(act):
     """Every epilogue activation gives torch's value at the edges (one element at a time: torch's vectorized CPU GELU
     differs from its own scalar path at +inf): NaN stays NaN (ReLU's max(x, 0) turned it into 0: fuzz seed 6722,
     a fully masked attention row's NaN into a Linear + ReLU), and signs of zero and tiny values are eager's."""
-    values = [float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1.5, -1.5, 1e30, -1e30, 3e-39]
-    x = torch.tensor(values)
-    a = torch.zeros(len(values), 8)
-    a[:, 0] = x
-    b = torch.zeros(16, 8)
-    b[:, 0] = 1.0
+    a, b = pre_activations(torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1.5, -1.5, 1e30, -1e30,
+                                         3e-39]))
     y = gemm(a, b, act=act, b_transposed=True)[:, 0]
     pre = (a @ b.T)[:, 0]  # eager's pre-activation (its sum turns -0.0 into +0.0)
     want = torch.stack([apply_activation(v.reshape(1), act)[0] for v in pre])
