@@ -64,6 +64,19 @@ def test_a_dynamic_export_is_measured_at_the_example_and_a_larger_size(monkeypat
     assert timed_shapes[-1][:2] == [(8, 32, 32), (8, 32, 32)]  # the residual and the GEMM's output
 
 
+@pytest.mark.parametrize(("large_dim", "labels"), [
+    (16, [EXAMPLE, "larger inputs (x 8x16x32)"]),  # the sequence stops at LARGE_DIM, the batch grows 4x
+    (4, [EXAMPLE, "larger inputs (x 4x8x32)"]),  # the sequence's example is past it: not grown at all
+    (1, [EXAMPLE]),  # both are: the example is the one size measured
+])
+def test_no_dim_grows_past_large_dim_unless_its_example_is_there(monkeypatch, large_dim, labels) -> None:
+    """A dim that long already is not grown (torch_target.LARGE_DIM): a Llama-style model served at 1x8192 was
+    measured, and its attention probed, at 131072 keys."""
+    monkeypatch.setattr("tkopt.targets.torch_target.LARGE_DIM", large_dim)
+    graph, _, inputs = _fused(dynamic=True)
+    assert [size.label for size in TorchTarget(inputs).sizes(graph.meta["fx_module"])] == labels
+
+
 def test_a_node_that_loses_at_the_larger_size_is_not_kept(monkeypatch, timed_shapes) -> None:
     """A node that wins at the example and loses at the larger size: measuring stops there, and the decision
     names the size it lost at. The rule (pipeline._wins) lets only the first timing win, so the outcome does

@@ -311,6 +311,30 @@ def test_cpu_empty_and_no_keys():
     assert torch.equal(out, _ref(q, k, v).to(out.dtype))
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask", [None, "bool rows", "float keys", "float 2-D", "bool row of one"])
+@pytest.mark.parametrize("guard", ["masked", "nan", "none"])
+def test_reference_in_row_blocks_is_the_reference_in_one(monkeypatch, layout, causal, mask, guard):
+    """The reference takes query rows in blocks of SCORE_BLOCK scores (its memory bounded at any length): block by
+    block, row by row included, it computes what it computes in one block, causal offsets, sliced masks, GQA,
+    fully masked rows and NaN guards included."""
+    from tkopt.kernels import reference
+
+    torch.manual_seed(11)
+    q, k, v = _qkv(2, 4, 2, 13, 9, 8, layout=layout)
+    masks = {None: None, "bool rows": torch.rand(2, 1, 13, 9) > 0.3, "float keys": torch.randn(2, 1, 1, 9),
+             "float 2-D": torch.randn(13, 9), "bool row of one": torch.rand(1, 9) > 0.5}
+    m = masks[mask]
+    if m is not None and m.dtype == torch.bool:
+        m[..., 0, :] = False  # a fully masked row
+    kw = dict(causal=causal, mask=m, layout=layout, guard=guard)
+    whole = flash_attention_ref(q, k, v, **kw)
+    for block in (2 * 4 * 9 * 5, 1):  # five rows a block (the last one short), one row a block
+        monkeypatch.setattr(reference, "SCORE_BLOCK", block)
+        torch.testing.assert_close(flash_attention_ref(q, k, v, **kw), whole, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 def test_bad_inputs_raise_clear_errors():
     q, k, v = _qkv(1, 4, 2, 8, 8, 16)
     with pytest.raises(ValueError, match="q must be 4-D"):

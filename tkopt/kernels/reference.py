@@ -86,6 +86,10 @@ def gated_mlp_ref(
 
 
 GUARDS = ("none", "masked", "nan", "sdpa")
+# The reference attends at most this many scores at a time: query rows are independent, so it takes them in blocks,
+# and its memory stays bounded at any length (a probe of Llama-style attention at 131072 keys would need 1 TiB of
+# scores at once).
+SCORE_BLOCK = 1 << 26
 
 
 def sdpa_flash_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -118,9 +122,10 @@ def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> tor
     return (_acc(q) @ _acc(k).transpose(-1, -2)) * scale
 
 
-def _drop_later_keys(s: torch.Tensor) -> torch.Tensor:
-    """Scores with the keys after each query (top-left causal) at -inf."""
-    keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+def _drop_later_keys(s: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    """Scores with the keys after each query (top-left causal) at -inf; `s` holds the query rows from
+    `first_row` on."""
+    keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril(first_row)
     return s.masked_fill(~keep, float("-inf"))
 
 
@@ -170,22 +175,25 @@ def flash_attention_ref(
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     k, v = _with_heads(k, hq), _with_heads(v, hq)
-    s = _scaled_scores(q, k, scale)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            s = s.masked_fill(mask != mask_keeps, mask_fill)
-        else:
-            s = (s + _acc(mask)) * mask_scale
-    if causal:
-        s = _drop_later_keys(s)
-    p = torch.softmax(s, dim=-1)
-    if cpu_flash:
-        p = p.masked_fill(_nan_or_neg_inf_rows(s), 0.0)
-    elif guard in ("masked", "sdpa"):
-        p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
-    elif guard == "nan":
-        p = p.masked_fill(p.isnan(), 0.0)
-    o = (p @ _acc(v)).to(q.dtype)
+    rows = max(1, SCORE_BLOCK // max(1, q.shape[0] * hq * k.shape[-2]))
+
+    def attend(r: int) -> torch.Tensor:  # query rows r, r + 1, ... r + rows - 1
+        s = _scaled_scores(q[..., r:r + rows, :], k, scale)
+        if mask is not None:
+            m = mask[..., r:r + rows, :] if mask.dim() > 1 and mask.shape[-2] > 1 else mask
+            s = s.masked_fill(m != mask_keeps, mask_fill) if m.dtype == torch.bool else (s + _acc(m)) * mask_scale
+        if causal:
+            s = _drop_later_keys(s, r)
+        p = torch.softmax(s, dim=-1)
+        if cpu_flash:
+            p = p.masked_fill(_nan_or_neg_inf_rows(s), 0.0)
+        elif guard in ("masked", "sdpa"):
+            p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
+        elif guard == "nan":
+            p = p.masked_fill(p.isnan(), 0.0)
+        return (p @ _acc(v)).to(q.dtype)
+
+    o = torch.cat([attend(r) for r in range(0, max(q.shape[-2], 1), rows)], dim=-2)
     return o.transpose(1, 2) if layout == "bshd" else o
 
 

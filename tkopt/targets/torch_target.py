@@ -17,8 +17,11 @@ small example can lose at the sizes the user then runs (a kernel tuned for few r
 inductor at many). Where the graph's inputs have symbolic dims,
 a node that wins at the example inputs is measured again at one larger size (`larger_sizes`): every
 symbolic dim scaled by one factor, so that the inputs hold about GROWTH times the example's elements (16x:
-batch and sequence 4x each, a lone batch dim 16x), each within the range torch.export admits for it. It
-is kept only if it wins at both. One size, not several: the example already stands for small sizes, where
+batch and sequence 4x each, a lone batch dim 16x), each within the range torch.export admits for it and none
+past LARGE_DIM unless its example is: a dim that long already gives every GEMM over it rows for waves of tiles,
+and growing a sequence multiplies the attention over it by the square (a Llama-style model served at 1x8192 and
+grown 16x would have been measured and probed at 131072 keys, where the attention reference alone needs 1 TiB).
+It is kept only if it wins at both. One size, not several: the example already stands for small sizes, where
 a fused node, fewer launches, is at its best; a larger one is where it loses. Its inputs are the example
 inputs resized along the symbolic dims (tkopt.input_sizes), and the original graph runs there to capture
 the node's inputs, once, and only when some node won at the example. A size the export's guards refuse
@@ -99,6 +102,7 @@ def probe_error(name: str, got: torch.Tensor, want: torch.Tensor) -> OutputError
 
 
 GROWTH = 16  # the larger size's inputs hold about this many times the example's elements (module docstring)
+LARGE_DIM = 4096  # no symbolic dim grows past this size, nor past its example where that is larger (module docstring)
 
 
 @dataclass
@@ -522,7 +526,8 @@ def larger_sizes(gm: fx.GraphModule, flat: Sequence[Any], where: str = "cpu") ->
     out = [Size(f"example inputs ({_shapes(placeholders, examples, flat)})", example, lambda: list(flat))]
     refused = ""
     growth = GROWTH
-    while (larger := {s: r.scaled(growth ** (1 / len(dims))) for s, r in dims.items()}) != example:
+    while (larger := {s: min(r.scaled(growth ** (1 / len(dims))), max(r.example, LARGE_DIM))
+                      for s, r in dims.items()}) != example:
         shaped = resize_inputs(examples, flat, larger, stand_in)
         label = f"larger inputs ({_shapes(placeholders, examples, shaped)})"
         why = guards_refuse(gm, shaped)
