@@ -9,7 +9,8 @@ calls (or ran something else) is visible, and checks the first output against ea
 the report's laps (passes, kernels, selection, emit, whole graph). A model compiled at one size and served at
 another (`compile_inputs`: the Llama-style model compiled at 4x2048, served at 1x8192) is first called at its
 compile size, then at its serving size: that first call there recompiles (torch.compile's automatic dynamic
-shapes, tkopt.compile's dynamic export) and is timed on its own ("resize"; the laps are then its report's).
+shapes, tkopt.compile's dynamic export) and is timed on its own ("resize", with the laps of its own report
+beside the first call's).
 
     python benchmarks/compile_time.py --out DIR [--models encoder_layer_8x512 ...] [--device cpu]
 
@@ -76,11 +77,16 @@ def child(model_name: str, variant: str, calls: int, profile: str | None = None)
             got = fn(*first)
             wm._sync()
             out["first_call_s"] = time.perf_counter() - t0
+            first_report = getattr(fn, "tkopt_report", None)
+            reports = {"first": first_report}
             if m.compile_inputs:
                 t1 = time.perf_counter()
                 got = fn(*inputs)
                 wm._sync()
                 out["resize_s"] = time.perf_counter() - t1
+                served = getattr(fn, "tkopt_report", None)
+                if served is not first_report:  # else the first program serves this size too
+                    reports["served"] = served
         out["modules"] = len(sys.modules)  # imported by the build and first call (and before them)
         out["imported_tilelang"] = "tilelang" in sys.modules
         if profiler is not None:
@@ -97,11 +103,11 @@ def child(model_name: str, variant: str, calls: int, profile: str | None = None)
         out["after_ms"] = after
         want = model(*inputs).float()
         out["max_rel_err"] = (got.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-    report = getattr(fn, "tkopt_report", None)
-    if report is not None:
-        out["seconds"] = dict(report.seconds)
-        out["fused"] = f"{report.total_fused} of {len(report.nodes)}"
-        out["winner"] = report.whole_graph.winner if report.whole_graph else "tkopt"
+    laps = {call: {"seconds": dict(report.seconds), "fused": f"{report.total_fused} of {len(report.nodes)}",
+                   "winner": report.whole_graph.winner if report.whole_graph else "tkopt"}
+            for call, report in reports.items() if report is not None}
+    if laps:
+        out["laps"] = laps
     return out
 
 
@@ -179,14 +185,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              *(f"- {k}: {v}" for k, v in meta.items()), "",
              "First call: wall seconds from building the compiled object to the end of its first call. Cold: empty "
              "caches; warm: the cold run's caches. Ratio: tkopt / torch.compile (the bar: cold <= 2, warm <= 1.2). "
-             "After: median ms of the calls that followed.", "",
+             "After: median ms of the calls that followed. Error: tkopt's output against eager's, relative.", "",
              "| model | torch.compile cold | warm | tkopt cold | warm | cold ratio | warm ratio | after ms "
-             "(torch.compile / tkopt, warm) |", "|---|---|---|---|---|---|---|---|"]
+             "(torch.compile / tkopt, warm) | error (tkopt cold / warm) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tc, tk, q = r["runs"].get("torch_compile", {}), r["runs"].get("tkopt", {}), r["ratios"]
         cells = [_s(tc.get("cold", {})), _s(tc.get("warm", {})), _s(tk.get("cold", {})), _s(tk.get("warm", {})),
                  *(_ratio(q[run]) for run in RUNS),
-                 f"{_after(tc.get('warm', {}))} / {_after(tk.get('warm', {}))}"]
+                 f"{_after(tc.get('warm', {}))} / {_after(tk.get('warm', {}))}",
+                 " / ".join(f"{tk[run]['max_rel_err']:.1e}" if "max_rel_err" in tk.get(run, {}) else "-"
+                            for run in RUNS)]
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     resized = [r for r in rows if "resize" in r]
     if resized:
@@ -197,16 +205,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             tc, tk, q = r["runs"].get("torch_compile", {}), r["runs"].get("tkopt", {}), r["resize"]
             cells = [_s(x.get(run, {}), "resize_s") for x in (tc, tk) for run in RUNS]
             lines.append(f"| {r['model']} | " + " | ".join([*cells, *(_ratio(q[run]) for run in RUNS)]) + " |")
-    lines += ["", "## tkopt.compile's laps (report.seconds; the served size's where it was resized), s", "",
-              "| model | run | " + " | ".join(LAPS) + " | fused | calls run | max rel err |",
-              "|---|---|" + "---|" * (len(LAPS) + 3)]
+    lines += ["", "## tkopt.compile's laps (report.seconds), s: of the first call, and of the first call served at "
+              "another size where that compiled again", "",
+              "| model | run | call | " + " | ".join(LAPS) + " | fused | calls run |",
+              "|---|---|---|" + "---|" * (len(LAPS) + 2)]
     for r in rows:
         for run in RUNS:
-            v = r["runs"].get("tkopt", {}).get(run, {})
-            if "seconds" in v:
-                laps = [f"{v['seconds'][k]:.1f}" if k in v["seconds"] else "-" for k in LAPS]
-                lines.append(f"| {r['model']} | {run} | " + " | ".join(laps)
-                             + f" | {v['fused']} | {v['winner']} | {v['max_rel_err']:.1e} |")
+            for call, lap in r["runs"].get("tkopt", {}).get(run, {}).get("laps", {}).items():
+                cells = [f"{lap['seconds'][k]:.1f}" if k in lap["seconds"] else "-" for k in LAPS]
+                lines.append(f"| {r['model']} | {run} | {call} | " + " | ".join(cells)
+                             + f" | {lap['fused']} | {lap['winner']} |")
     failures = [(r["model"], v, run, x["error"]) for r in rows for v, runs in r["runs"].items()
                 for run, x in runs.items() if "error" in x]
     if failures:
@@ -267,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {variant} {run}: " + (v["error"] if "error" in v else
                           f"first call {v['first_call_s']:.1f} s, after {_after(v)} ms"
                           + (f", first call served {v['resize_s']:.1f} s" if "resize_s" in v else "")
-                          + (f", laps {json.dumps({k: round(s, 1) for k, s in v['seconds'].items()})}"
-                             if "seconds" in v else "")), flush=True)
+                          + "".join(f", laps ({call}) {json.dumps({k: round(s, 1) for k, s in lap['seconds'].items()})}"
+                                    for call, lap in v.get("laps", {}).items())), flush=True)
                     row["ratios"] = ratios(row)
                     if MODELS[model].compile_inputs:
                         row["resize"] = ratios(row, "resize_s")
