@@ -752,6 +752,38 @@ class _SdpaBlock(torch.nn.Module):
         return o.transpose(1, 2).reshape(bb, s, H * D)
 
 
+class _RepeatKV(torch.nn.Module):
+    """Llama's attention as transformers writes it: K/V heads repeated by `x[:, :, None, :, :].expand(...).reshape`
+    (repeat_kv), then SDPA, causal."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, hkv, s, d = k.shape
+        k, v = (t[:, :, None, :, :].expand(b, hkv, 2, s, d).reshape(b, hkv * 2, s, d) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_export_repeat_kv_is_gqa(dynamic: bool) -> None:
+    """A dynamic export keeps repeat_kv's full slices (`t[:, :, None, :, :]`) that a static one drops: they are
+    dropped as no-ops (canonicalize.drop_identity), and the attention reads the K/V heads unrepeated, as GQA. They
+    hid the repeat, and the Llama-style model served at 1x8192 ran its attention on K/V repeated 4x."""
+    from torch.export import Dim
+
+    from tkopt.frontends.fx import import_fx
+
+    q, k, v = torch.randn(1, 4, 9, D), torch.randn(1, 2, 9, D), torch.randn(1, 2, 9, D)
+    seq = {2: Dim.AUTO}
+    ep = torch.export.export(_RepeatKV(), (q, k, v), dynamic_shapes=(seq, seq, seq) if dynamic else None)
+    if dynamic:
+        assert any(n.target == torch.ops.aten.slice.Tensor for n in ep.graph.nodes)
+    graph = import_fx(ep)
+    run_passes(graph, ())
+    [node] = [n for n in graph.nodes if n.op == "FusedAttention"]
+    assert [x.shape[1] for x in node.inputs[:3]] == [4, 2, 2]
+    got = run_reference(node.op, [q, k, v, None], node.attrs)[0]
+    torch.testing.assert_close(got, _RepeatKV()(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_onnx_export_sdpa_block(dynamo: bool, tmp_path) -> None:
     x, mask = torch.randn(2, 11, H * D), torch.rand(2, 11) > 0.3

@@ -116,6 +116,27 @@ def test_identity_and_noop_cast_are_dropped_real_casts_kept():
     assert torch.equal(b.run()[0], want[0])
 
 
+def test_slices_that_keep_every_element_are_dropped_others_kept():
+    """From 0 in steps of 1 to the end (the 2**63 - 1 sentinel, or past a static size) is a no-op; a slice that
+    starts later, steps, or ends at a symbolic size it cannot be compared with stays."""
+    b = Builder()
+    x = b.input("x", (2, 5, 4))
+    whole = b.op("Slice", x, starts=[0, 0], ends=[2**63 - 1, 9], axes=[1, -1], steps=[1, 1])
+    kept = [b.op("Slice", whole, starts=[1], ends=[2**63 - 1], axes=[1], steps=[1]),
+            b.op("Slice", whole, starts=[0], ends=[2**63 - 1], axes=[1], steps=[2]),
+            b.op("Slice", whole, starts=[0], ends=[4], axes=[1], steps=[1]),
+            b.op("Slice", whole, starts=[0], ends=[-1], axes=[2])]
+    g = b.output(*(b.op("Relu", y) for y in kept))
+    want = b.run()
+    assert apply(g, drop_identity).changed == 1
+    assert all(g.producer(y).inputs[0] is x for y in kept)  # type: ignore[union-attr]
+    assert [torch.equal(got, w) for got, w in zip(b.run(), want, strict=True)] == [True] * 4
+    symbolic = b.op("Slice", x, starts=[0], ends=[5], axes=[1], steps=[1])
+    x.shape = (2, "seq", 4)
+    g = b.output(b.op("Relu", symbolic))
+    assert apply(g, drop_identity).changed == 0
+
+
 def test_duplicate_pure_nodes_merge_through_chains():
     """Cohere's norm: `x - mean` written twice (for the variance and for the output) becomes one Sub,
     and what reads the duplicates then matches too (a chain of duplicates collapses)."""

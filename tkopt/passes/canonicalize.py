@@ -19,7 +19,7 @@ from tkopt.ir import Graph, Node, Value
 
 from .base import PassResult
 from .evaluators import EVALUATORS, np_dtype
-from .patterns import is_noop_cast, is_op
+from .patterns import is_noop_cast, is_noop_slice, is_op
 from .pipeline import register
 
 # Largest folded result kept (elements): shape tensors and scalars, never copies of weights.
@@ -93,14 +93,15 @@ def _mirror_const_attrs(graph: Graph) -> None:
 
 @register("drop_identity")
 def drop_identity(graph: Graph, result: PassResult) -> None:
-    """Remove Identity and Casts to the input's own dtype, pointing their readers at the input.
+    """Remove Identity, Casts to the input's own dtype and Slices that keep every element, pointing their readers
+    at the input.
 
     A node whose output is a graph output stays, so the graph's interface keeps its names.
     """
     dropped: list[Node] = []
     outputs = {id(v) for v in graph.outputs}
     for node in graph.nodes:
-        if not (is_op(node, "Identity") or is_noop_cast(node)) or node.inputs[0] is None:
+        if not (is_op(node, "Identity") or is_noop_cast(node) or is_noop_slice(node)) or node.inputs[0] is None:
             continue
         if id(node.outputs[0]) in outputs:
             continue
