@@ -4,6 +4,7 @@ fp32."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -175,6 +176,23 @@ def test_cpu_float_mask_broadcast(mshape):
     mask = _rand(*mshape) * 2
     out = flash_attention(q, k, v, mask=mask)
     assert _rel(out, _ref(q, k, v, mask=mask)) < 1e-5
+
+
+@pytest.mark.parametrize("mshape", [(1, 1, 13, 29), (1, 1, 1, 29), (1, 4, 13, 29)])
+@pytest.mark.parametrize("arch", ["cpu", "sm90"])
+def test_a_batch_of_one_shares_the_kernel_of_larger_batches(mshape, arch):
+    """Over a batch of one, a mask's batch dim of 1 is read per batch row, not broadcast: the compile key is the one
+    a larger batch with a mask row each has, so a model served at batch 1 builds no kernel of its own. One mask row
+    over a larger batch broadcasts: another kernel. Each computes what the reference does."""
+    torch.manual_seed(8)
+    mask = torch.rand(*mshape) > 0.3
+    args = (arch, "float32", True, None, "bhsd", 1.0, -math.inf, "masked", True)
+    keys = {}
+    for b, m in ((1, mask), (3, mask.expand(3, *mshape[1:]).contiguous()), (3, mask)):
+        q, k, v = _qkv(b, 4, 2, 13, 29, 32)
+        keys[b, m.shape[0]] = A._prepared(q, k, v, m, *args)[0]
+        assert _rel(flash_attention(q, k, v, mask=m, causal=True), _ref(q, k, v, mask=m, causal=True)) < 1e-5
+    assert keys[1, 1] == keys[3, 3] != keys[3, 1]
 
 
 def test_cpu_bool_mask_fully_masked_rows_are_zero():

@@ -296,7 +296,7 @@ def gpu_program(
 
     Parameters (Q, K, V[, Mask[, Kept]], Output); batch, seq_q, seq_kv are dynamic. `layouts` gives the layout
     of (q, k, v, out) each; `mask_kind` None | "add" (float32 mask) | "bool" (uint8 mask);
-    `mask_bcast` marks which of the mask's (B, Hq, Sq, Skv) dims have size 1. `scale` defaults to
+    `mask_bcast` marks which of the mask's (B, Hq, Sq, Skv) dims it broadcasts over (size 1). `scale` defaults to
     1/sqrt(dim); `mask_scale`, `mask_fill`, `guard` and `mask_keeps` as `reference.flash_attention_ref`.
     Config: block_M (query rows per CTA), block_N (keys per step), num_stages, threads, and `pipelined`
     (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
@@ -924,11 +924,14 @@ def _prepared(q, k, v, mask, arch, dtype, causal, scale, layout, mask_scale, mas
     `kept_rows`, where the caller has it."""
     h = 1 if layout == "bhsd" else 2
     dims = (q.shape[3], q.shape[h], k.shape[h])  # head dim, query heads, key/value heads
+    batch = q.shape[0]
     layouts, (q, k, v) = kernel_layouts(q, k, v, layout, strided=reads_strided(arch))
     mask_kind, bcast, margs = None, (False,) * 4, ()
     if mask is not None:
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        bcast = tuple(n == 1 for n in m.shape)
+        # A mask of one batch row over a batch of one is read per batch row, as a batch's own mask is: a model
+        # compiled at batch 4 and served at batch 1 then needs no kernel of its own.
+        bcast = (m.shape[0] == 1 and batch != 1, *(n == 1 for n in m.shape[1:]))
         if m.dtype == torch.bool:
             mask_kind, m = "bool", m.contiguous().view(torch.uint8)
         else:
