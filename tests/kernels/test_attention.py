@@ -569,6 +569,7 @@ GPU_CASES = {
     "d64-causal-gqa-odd": (2, 8, 2, 200, 333, 64, True, "bhsd", None),
     "d128-causal-sq>skv": (1, 4, 2, 257, 130, 128, True, "bshd", None),
     "d64-addmask": (2, 4, 4, 150, 211, 64, False, "bhsd", "add"),
+    "d64-addmask-b1": (1, 4, 4, 150, 211, 64, False, "bhsd", "add"),  # one mask row read per batch row, not broadcast
     "d128-boolmask-bshd": (2, 4, 2, 129, 260, 128, True, "bshd", "bool"),
     "d32-boolmask": (2, 12, 12, 130, 130, 32, False, "bshd", "bool"),
     "d48-causal": (2, 4, 4, 100, 100, 48, True, "bhsd", None),
