@@ -269,22 +269,24 @@ def workers_ahead() -> Iterator[None]:
 
 def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str, Any],
              sizes: Sequence[Mapping[Any, int]] = (), workers: int | None = None,
-             cancel: Cancel | None = None) -> list[Compile]:
+             cancel: Cancel | None = None, beside: bool = False) -> list[Compile]:
     """Build the kernels the calls of `nodes` need at their example shapes and at `sizes` (the input symbols'
     sizes selection measures them at too; module docstring), those not built here before, in parallel worker
-    interpreters: only where more than one would work (`workers` defaults to TKOPT_BUILD_WORKERS, else one per
-    core but one). A failed wave only warns: what it left is compiled as it is loaded. Returns the compiles to
-    `load` here: every planned one but those that failed in a worker. Loads and runs nothing on the device, so
-    it can run beside other work (TorchTarget.probe's thread), which may `cancel` it."""
+    interpreters where builds would overlap (`workers` defaults to TKOPT_BUILD_WORKERS, else one per core but
+    one; 1: none): two or more, or a lone one `beside` the caller's own work (TorchTarget.probe's first calls of
+    the unfused program), after which it would otherwise build, as it is loaded. A failed wave only warns: what
+    it left is compiled as it is loaded. Returns the compiles to `load` here: every planned one but those that
+    failed in a worker. Loads and runs nothing on the device, so it can run beside other work (TorchTarget.probe's
+    thread), which may `cancel` it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode
         jobs = planned_builds(nodes, device, fingerprint, sizes)
     known = JsonFile(cache_path("built-kernels.json")).read()
     todo = {key: job for key, job in jobs.items() if key not in known}
-    workers = workers or build_workers() or default_workers(len(todo))
+    workers = workers or build_workers() or default_workers(max(len(todo), 2))
     failed: dict[str, str] = {}
-    if workers >= 2 and len(todo) >= 2:
+    if workers >= 2 and len(todo) >= (1 if beside else 2):
         try:
             results = map_in_workers(compile_job, list(todo.values()), workers, cancel)
             failed = {key: why for key, why in zip(todo, results, strict=True) if why is not None}

@@ -253,7 +253,7 @@ class TorchTarget(Target):
         sizes = [size.dims for size in sized[1][1:]] if sized is not None else []
         with self._timed("kernels: parallel builds"), ThreadPoolExecutor(1) as builder:
             cancel = Cancel()
-            built = builder.submit(self._wave, nodes, sizes, cancel)
+            built = builder.submit(self._wave, nodes, sizes, cancel, meanwhile is not None)
             try:
                 if meanwhile is not None:
                     meanwhile()
@@ -301,11 +301,11 @@ class TorchTarget(Target):
         record_probes([records[k] for k in groups if reasons[k] is None])
         return reasons
 
-    def _wave(self, nodes: list[Node], sizes: list[Mapping[Any, int]], cancel: Cancel) -> list[Compile]:
+    def _wave(self, nodes: list[Node], sizes: list[Mapping[Any, int]], cancel: Cancel, beside: bool) -> list[Compile]:
         """prebuild, its own duration kept apart: what runs beside it may take longer."""
         t0 = time.perf_counter()
         try:
-            return prebuild(nodes, self.device, self.fingerprint(), sizes, self.build_workers, cancel)
+            return prebuild(nodes, self.device, self.fingerprint(), sizes, self.build_workers, cancel, beside)
         finally:
             self.seconds["kernels: the build wave itself"] = time.perf_counter() - t0
 
