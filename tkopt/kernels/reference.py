@@ -174,7 +174,7 @@ def flash_attention_ref(
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    k, v = _with_heads(k, hq), _with_heads(v, hq)
+    k, v = _acc(_with_heads(k, hq)), _acc(_with_heads(v, hq))  # once, not per block of rows
     rows = max(1, SCORE_BLOCK // max(1, q.shape[0] * hq * k.shape[-2]))
 
     def attend(r: int) -> torch.Tensor:  # query rows r, r + 1, ... r + rows - 1
@@ -191,7 +191,7 @@ def flash_attention_ref(
             p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
         elif guard == "nan":
             p = p.masked_fill(p.isnan(), 0.0)
-        return (p @ _acc(v)).to(q.dtype)
+        return (p @ v).to(q.dtype)
 
     o = torch.cat([attend(r) for r in range(0, max(q.shape[-2], 1), rows)], dim=-2)
     return o.transpose(1, 2) if layout == "bshd" else o
