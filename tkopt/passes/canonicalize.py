@@ -19,8 +19,9 @@ from tkopt.ir import Graph, Node, Value
 
 from .base import PassResult
 from .evaluators import EVALUATORS, np_dtype
-from .patterns import is_noop_cast, is_noop_slice, is_op
+from .patterns import is_noop_cast, is_op
 from .pipeline import register
+from .shapes import ShapedIndex
 
 # Largest folded result kept (elements): shape tensors and scalars, never copies of weights.
 FOLD_LIMIT = 1024
@@ -100,8 +101,11 @@ def drop_identity(graph: Graph, result: PassResult) -> None:
     """
     dropped: list[Node] = []
     outputs = {id(v) for v in graph.outputs}
+    shapes = ShapedIndex(graph).shapes if any(is_op(n, "Slice") for n in graph.nodes) else None
     for node in graph.nodes:
-        if not (is_op(node, "Identity") or is_noop_cast(node) or is_noop_slice(node)) or node.inputs[0] is None:
+        noop = is_op(node, "Identity") or is_noop_cast(node) or (
+            shapes is not None and is_op(node, "Slice") and shapes.keeps_every_element(node))
+        if not noop or node.inputs[0] is None:
             continue
         if id(node.outputs[0]) in outputs:
             continue

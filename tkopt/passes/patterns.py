@@ -280,36 +280,6 @@ def is_noop_cast(node: Node, dtype_of: Value | None = None) -> bool:
     return is_op(node, "Cast") and src is not None and src.dtype is not None and node.attr("to") == src.dtype
 
 
-# A slice end at least this large reads to the end of its axis whatever the size (torch's `x[:, :]` and ONNX's
-# exporters write 2**63 - 1).
-_TO_THE_END = 2**62
-
-
-def is_noop_slice(node: Node) -> bool:
-    """A Slice that keeps every element: each axis from 0, in steps of 1, to its end (the sentinel, or past the
-    axis's static size). A dynamic export keeps the full slices of `x[:, :, None, :, :]` (Llama's repeat_kv), which
-    a static one drops, and they hid the GQA repeat behind them."""
-    if not is_op(node, "Slice") or not node.inputs or node.inputs[0] is None:
-        return False
-    starts, ends, axes, steps = (node.attrs.get(k) for k in ("starts", "ends", "axes", "steps"))
-    shape = node.inputs[0].shape
-    if starts is None or ends is None or shape is None:
-        return False
-    axes = list(range(len(starts))) if axes is None else axes
-    steps = [1] * len(starts) if steps is None else steps
-    if not len(starts) == len(ends) == len(axes) == len(steps):
-        return False
-    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
-        if not all(isinstance(x, int) for x in (start, end, axis, step)) or start != 0 or step != 1:
-            return False
-        if not -len(shape) <= axis < len(shape):
-            return False
-        size = shape[axis]
-        if end < _TO_THE_END and not (isinstance(size, int) and end >= size):
-            return False
-    return True
-
-
 def strip(g: Graph | GraphIndex, value: Value, ops: Iterable[str] = PASS_THROUGH) -> Value:
     """Walk up from `value` through single-input pass-through producers (Identity, Cast, ...)."""
     ix = index_of(g)

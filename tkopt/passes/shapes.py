@@ -260,6 +260,14 @@ class Shapes:
             out.append((norm_axis(int(a), rank), sympy.sympify(b), sympy.sympify(e), sympy.sympify(st)))
         return out
 
+    def keeps_every_element(self, p: Node) -> bool:
+        """Whether Slice `p` keeps every element of its input: its output shape (`_slice_shape`: step-1 slices from
+        a non-negative start) is provably the input's. A dynamic export keeps the full slices of
+        `x[:, :, None, :, :]` (Llama's repeat_kv), which a static one drops, and they hid the GQA repeat."""
+        src = self.shape(p.inputs[0]) if p.inputs and p.inputs[0] is not None else None
+        out = None if src is None else self._slice_shape(p, src)
+        return out is not None and all(same(a, b) for a, b in zip(out, src, strict=True))
+
     def _slice_shape(self, p: Node, src: Shape) -> Shape | None:
         """Step-1 slices from a non-negative start: an end past the dim clamps, so the size is
         Min(end, dim) - start (sympy keeps Min symbolic: a buffer sliced to the sequence length)."""
