@@ -25,9 +25,10 @@ sealed; here the report is made.
    With no fusion kept, only the alternatives are compared (and with one, none is timed), unless the
    target's program adds something of its own (`Target.races_unfused`: CUDA graphs and inductor on
    torch-cuda); there, with fusions kept, the same program with every fusion put back ("tkopt unfused")
-   is raced too, and runs if it wins. That program and the alternatives need no kernel: their first calls
-   (compiles, captures) run while the kernels build (`Target.prepare_whole`), and with no fusion kept the
-   unfused program is the one returned.
+   is raced too, and runs if it wins. That program and the alternatives need no kernel: they are readied
+   (compiled, captured) while the kernels build (`Target.prepare_whole`; on torch-cuda inductor compiles the
+   unfused program in a child process, beside selection and the fused program's compile), and with no
+   fusion kept the unfused program is the one returned.
 """
 
 from __future__ import annotations

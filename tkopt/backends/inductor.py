@@ -7,6 +7,7 @@ fast as torch.compile's around the fused nodes.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -17,8 +18,11 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from tkopt.backends.inductor_ahead import AheadCompile
 from tkopt.backends.trig_tables import realize_broadcast_tables
 from tkopt.cuda_graphs import signature
+
+log = logging.getLogger(__name__)
 
 
 class InductorOrEager:
@@ -45,13 +49,32 @@ class InductorOrEager:
         self.first: tuple[Hashable, Callable[..., Any]] | None = None  # the first signature and its static code
         self.traced: Callable[..., Any] | None = None  # torch.compile(gm), for every other signature
         self.compiled: Callable[..., Any] | None = self._static_first
+        self.ahead: AheadCompile | None = None  # the first call's compile, started in a child (compile_ahead)
         if example_inputs is not None:
             self.compiled = _compile_fx_at_first_call(gm, list(example_inputs))
+
+    def compile_ahead(self, example_inputs: Sequence[Any]) -> bool:
+        """Start inductor's compile of the first call's static code in a child process (inductor_ahead), given
+        that call's inputs flat (tensors, or fakes of them): the first call then finds it in inductor's cache.
+        Whether a child started (not where this compiles in Dynamo's context, or compiled already)."""
+        if self.compiled != self._static_first or self.first is not None or self.ahead is not None:
+            return False
+        fakes = static_fakes(example_inputs)
+        try:
+            self.ahead = AheadCompile(inductor_copy(self.gm, fakes), fakes)
+        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimization: the first call compiles here
+            log.info("tkopt: inductor's compile ahead did not start (%s: %s)", type(e).__name__, e)
+            return False
+        return True
 
     def _static_first(self, *args: Any) -> Any:
         key = signature(pytree.tree_leaves(args))
         if self.first is None:
-            self.first = key, compile_graph(self.gm, static_fakes(args))
+            if self.ahead is None:
+                self.first = key, compile_graph(self.gm, static_fakes(args))
+            else:
+                with self.ahead.then_here():
+                    self.first = key, compile_graph(self.gm, static_fakes(args))
         if key == self.first[0]:
             return self.first[1](*args)
         if self.traced is None:
@@ -81,6 +104,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
     export's) keeps its calling convention: compile_fx flattens the arguments, the example's and each call's."""
     from torch._inductor.compile_fx import compile_fx
 
+    return compile_fx(inductor_copy(gm, example_inputs), list(example_inputs))
+
+
+def inductor_copy(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """The copy of `gm` that `compile_graph` compiles (inductor_ahead compiles it in a child, so one function
+    makes it): the input guards left out, the broadcast cos/sin tables realized."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node meta shared, not deep-copied: it holds fakes
     graph._codegen = gm.graph._codegen  # compile_fx replaces it on the copy; the original keeps it
@@ -90,7 +119,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
         graph.erase_node(n)
     copy = fx.GraphModule(gm, graph)
     realize_broadcast_tables(copy, example_inputs)
-    return compile_fx(copy, list(example_inputs))
+    return copy
 
 
 def static_fakes(args: Sequence[Any]) -> list[Any]:

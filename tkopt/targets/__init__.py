@@ -84,7 +84,8 @@ class Target(ABC):
 
     def prepare_whole(self, programs: list[Any]) -> None:
         """Ready what the whole-graph comparison will run that no selection changes (these programs of tkopt's and
-        the alternatives: compiles, captures), so that it can happen while kernels build (where `races_unfused`)."""
+        the alternatives: compiles, captures), so that it can happen while kernels build (where `races_unfused`), or
+        start it there (a compile in another process)."""
         raise NotImplementedError
 
     def whole_key(self, graph: Graph, programs: dict[str, Any]) -> Any:

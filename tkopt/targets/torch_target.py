@@ -436,11 +436,16 @@ class TorchTarget(Target):
 
     def prepare_whole(self, programs: list[fx.GraphModule]) -> None:
         """The first calls of `programs` (as the user calls them) and of the alternatives: inductor compiles,
-        CUDA-graph captures. One that fails here is left to the race, which says why."""
+        CUDA-graph captures. One that fails here is left to the race, which says why. A program inductor compiles
+        at its first call with static shapes is compiled in a child process instead (inductor_ahead), beside
+        selection and the fused program's compile here, all of which it used to hold up; its first call is the
+        race's, which finds inductor's code cached."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.no_grad(), self._timed("whole graph: first calls, while kernels build"):
-            firsts = [("tkopt's programs", self.as_user(run), run) for run in map(self.runner, programs)]
+            runs = [run for run in map(self.runner, programs)
+                    if not (isinstance(run, inductor.InductorOrEager) and run.compile_ahead(self.flat))]
+            firsts = [("tkopt's programs", self.as_user(run), run) for run in runs]
             firsts += [(name, alt, alt) for name, alt in ((n, self.alternative(n)) for n in self.factories)]
             for name, fn, inner in firsts:
                 with self._timed(f"whole graph: first calls, while kernels build: {name}"), \
@@ -465,6 +470,9 @@ class TorchTarget(Target):
                 if id(inner[name]) not in self.called:  # else `prepare_whole` made its first call
                     with self._timed("whole graph: first calls"):
                         call()
+                ahead = getattr(inner[name], "ahead", None)
+                if ahead is not None and ahead.outcome is not None:
+                    self.seconds.update(ahead.outcome)
             return race(calls, self.device)
 
 
