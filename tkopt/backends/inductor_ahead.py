@@ -74,7 +74,8 @@ def _as_parameter(data: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter
 def dumps(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bytes:
     """`gm` and its flat example inputs (fakes) as the child loads them: its parameters and buffers as fakes."""
     from torch._guards import detect_fake_mode
-    from torch.fx._graph_pickler import GraphPickler, Options, patch_pytree_map_over_slice
+    from torch.fx import _graph_pickler
+    from torch.fx._graph_pickler import GraphPickler, Options
 
     mode = detect_fake_mode(list(example_inputs))
     if mode is None:
@@ -91,7 +92,9 @@ def dumps(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bytes:
             return super().reducer_override(obj)
 
     options = Options(ops_filter=None, node_metadata_key_filter=lambda key: key not in _DROPPED_META)
-    with patch_pytree_map_over_slice(), io.BytesIO() as stream:
+    # GraphPickler.dumps's own setting, where the torch has it (2.13: slices in node args as pytrees)
+    slices = getattr(_graph_pickler, "patch_pytree_map_over_slice", contextlib.nullcontext)
+    with slices(), io.BytesIO() as stream:
         Pickler(stream, options).dump((gm, list(example_inputs), _settings()))
         return stream.getvalue()
 
