@@ -9,7 +9,8 @@ cache and only traces (AOTAutograd).
 
 The cache's key is the graph after AOTAutograd, whose parameters and buffers are inputs (their values play no
 part), the inputs' metadata, inductor's config and the matmul settings. So the child needs no real tensor:
-parameters, buffers and example inputs travel as fakes (shapes, strides, dtypes, devices; no device memory),
+parameters, buffers and example inputs travel as fakes (shapes, strides, dtypes, devices: no device memory but
+the child's CUDA context),
 other constants by value (inductor hashes what it inlines). It compiles the copy `inductor.inductor_copy` made
 here, under this process's inductor config and matmul settings. A child that fails, or computes another key,
 costs only its CPU time: the first call compiles here as it would have, and says nothing wrong.
@@ -42,8 +43,8 @@ _DROPPED_META = ("source_fn_stack", "nn_module_stack", "fwd_source_fn_stack", "v
 # The matmul settings the key reads (torch.backends.cuda.matmul), as they are: setting the precision through
 # torch.set_float32_matmul_precision would turn "none" into "ieee", another key.
 _MATMUL = ("fp32_precision", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
-WAIT_SECONDS = 900.0
-_DONE = "compiled; seconds since the start:"  # what a first call waits for the child at most, before it compiles here
+WAIT_SECONDS = 900.0  # what a first call waits for the child at most, before it compiles here
+_DONE = "compiled; seconds since the start:"  # the child's last line
 
 
 def _settings() -> dict[str, Any]:
