@@ -278,7 +278,7 @@ def test_the_unfused_program_is_raced_and_runs_where_the_fusions_lose_together(c
     readied = []
     real_prepare = _Graphed.prepare_whole
     monkeypatch.setattr(_Graphed, "prepare_whole",
-                        lambda self, programs: readied.append(1) or real_prepare(self, programs))
+                        lambda self, programs, likely: readied.append(1) or real_prepare(self, programs, likely))
     result, target = run()
     w = result.report.whole_graph
     assert set(w.times_ms) == {"tkopt", UNFUSED, "slow"} and w.winner == UNFUSED, w
@@ -324,9 +324,9 @@ def test_the_programs_that_need_no_kernel_are_readied_while_kernels_build(cache_
         overlapped.append(readied.wait(timeout=60))  # returns at once where the programs were readied meanwhile
         return built
 
-    def prepare_whole(self, programs) -> None:
+    def prepare_whole(self, programs, likely) -> None:
         prepared.extend(programs)
-        real_prepare(self, programs)
+        real_prepare(self, programs, likely)
         readied.set()
 
     monkeypatch.setattr(torch_target, "prebuild", prebuild)
@@ -340,6 +340,30 @@ def test_the_programs_that_need_no_kernel_are_readied_while_kernels_build(cache_
     assert "whole graph: first calls, while kernels build" in seconds and "whole graph: first calls" not in seconds
     with torch.no_grad():
         torch.testing.assert_close(target.runner(result.emitted)(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_compiles_both_raced_programs_in_children(cache_dir, monkeypatch, tmp_path) -> None:
+    """Where the target's program is inductor's (as on CUDA), the unfused program and the fused one as it will be if
+    selection keeps every node compile in child processes while kernels build; selection keeps them all here (no
+    margin), so the program emitted after it is that very one, takes the child's compile over, and both first calls
+    find the children's code in inductor's cache. Real children, real inductor and TileLang's kernels on CPU."""
+    from tkopt.backends.inductor import InductorOrEager
+    from tkopt.frontends.fx import import_fx
+    from tkopt.pipeline import optimize
+
+    monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr("tkopt.pipeline.MARGIN", 0.0)
+    model, inputs = REFERENCE_MODELS["gpt2_block"]()
+    target = _Graphed(inputs, wrap=InductorOrEager, inductor=True, alternatives={"eager": lambda: model})
+    result = optimize(import_fx(torch.export.export(model, inputs)), target, select="measured")
+    # selection kept every node (the race may then have declined them all: TileLang's serial CPU kernels)
+    assert all(d.decision == "kept" or d.reason.startswith("the whole graph ran faster") for d in result.report.nodes)
+    seconds = result.report.seconds
+    for name in ("tkopt", UNFUSED):
+        assert f"whole graph: the compile here, which found the child's code ({name})" in seconds
+    with torch.no_grad():
+        torch.testing.assert_close(target.runner(result.emitted)(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
 
 
 def _timing(ms: float, host_ms: float = math.nan) -> Timing:

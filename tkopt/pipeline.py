@@ -143,7 +143,11 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
     if build:
         measuring = len(known) < len(candidates)
         ready = unfused_program is not None and measuring
-        meanwhile = (lambda: target.prepare_whole([unfused_program])) if ready else None
+        # The fused program as it will be if selection keeps every node built (the usual outcome where the
+        # declines are cached or shipped): the target may start compiling it too (a child process), which the
+        # program emitted after selection then uses wherever it is that very program.
+        likely = target.emit(sealed_view(graph, [n for n in candidates if n.name in declined])) if ready else None
+        meanwhile = (lambda: target.prepare_whole([unfused_program], [likely])) if ready else None
         with progress.step(f"building kernels for {len(build)} fused nodes on {target.where}"):
             failed = target.probe(graph, build, meanwhile)
     _kernels_failed(candidates, failed, decisions, target)
@@ -278,11 +282,16 @@ def _select(graph: Graph, target: Target, alive: list[Node], decisions: dict[str
 
 
 def unfused_view(graph: Graph) -> Graph:
-    """`graph` with every fused node as the nodes it replaced, sealed; `graph` itself is left as it is (the copy
-    shares its nodes and values, which sealing and unfusing never change, only node lists)."""
+    """`graph` with every fused node as the nodes it replaced, sealed (`sealed_view`)."""
+    return sealed_view(graph, [n for n in graph.nodes if n.is_fused])
+
+
+def sealed_view(graph: Graph, unfused: list[Node]) -> Graph:
+    """`graph` with the fused nodes `unfused` as the nodes they replaced, sealed; `graph` itself is left as it is
+    (the copy shares its nodes and values, which sealing and unfusing never change, only node lists)."""
     view = copy.copy(graph)
     view.nodes = list(graph.nodes)
-    unfuse(view, [n for n in graph.nodes if n.is_fused])
+    unfuse(view, unfused)
     seal(view)
     return view
 

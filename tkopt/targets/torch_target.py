@@ -196,6 +196,7 @@ class TorchTarget(Target):
         self.sized: dict[int, tuple[fx.GraphModule, list[Size]]] = {}  # per graph module: its sizes (`sizes`)
         self.seconds: dict[str, float] = {}
         self.called: set[int] = set()  # ids of the callables `prepare_whole` called (held: programs, alternatives)
+        self.likely: dict[str, Callable[..., Any]] = {}  # likely programs' code -> the runner compiling it ahead
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -219,10 +220,20 @@ class TorchTarget(Target):
         return None if use_kernels() else "TKOPT_KERNELS=reference: fused ops run their torch references"
 
     def runner(self, gm: fx.GraphModule) -> Callable[..., Any]:
-        """`wrap(gm)`, made once per module (inductor compiles it at the first call)."""
+        """`wrap(gm)`, made once per module (inductor compiles it at the first call). A module with the code of a
+        likely program `prepare_whole` started compiling takes that compile over: the same code on the same
+        attributes is the same graph for inductor's cache (where they differ, the key does, and it compiles here)."""
         if id(gm) not in self.wrapped:
-            self.wrapped[id(gm)] = (gm, self.wrap(gm))  # the module is held, so its id is not reused
+            run = self.wrap(gm)
+            twin = self.likely.pop(gm.code, None)
+            if isinstance(run, inductor.InductorOrEager) and isinstance(twin, inductor.InductorOrEager):
+                run.ahead = twin.ahead
+            self.wrapped[id(gm)] = (gm, run)  # the module is held, so its id is not reused
         return self.wrapped[id(gm)][1]
+
+    def _compile_ahead(self, run: Callable[..., Any]) -> bool:
+        """Start inductor's compile of `run`'s program in a child (inductor_ahead), for the example inputs."""
+        return isinstance(run, inductor.InductorOrEager) and run.compile_ahead(self.flat)
 
     def fingerprint(self) -> dict[str, Any]:
         if self.device.type == "cuda":
@@ -434,17 +445,20 @@ class TorchTarget(Target):
             self.built[name] = self.factories[name]()
         return self.built[name]
 
-    def prepare_whole(self, programs: list[fx.GraphModule]) -> None:
+    def prepare_whole(self, programs: list[fx.GraphModule], likely: list[fx.GraphModule]) -> None:
         """The first calls of `programs` (as the user calls them) and of the alternatives: inductor compiles,
         CUDA-graph captures. One that fails here is left to the race, which says why. A program inductor compiles
         at its first call with static shapes is compiled in a child process instead (inductor_ahead), beside
         selection and the fused program's compile here, all of which it used to hold up; its first call is the
-        race's, which finds inductor's code cached."""
+        race's, which finds inductor's code cached. So is each `likely` program, and a program emitted later with
+        the same code takes its compile over (`runner`)."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.no_grad(), self._timed("whole graph: first calls, while kernels build"):
-            runs = [run for run in map(self.runner, programs)
-                    if not (isinstance(run, inductor.InductorOrEager) and run.compile_ahead(self.flat))]
+            for gm in likely:
+                if self._compile_ahead(self.runner(gm)):
+                    self.likely[gm.code] = self.runner(gm)
+            runs = [run for run in map(self.runner, programs) if not self._compile_ahead(run)]
             firsts = [("tkopt's programs", self.as_user(run), run) for run in runs]
             firsts += [(name, alt, alt) for name, alt in ((n, self.alternative(n)) for n in self.factories)]
             for name, fn, inner in firsts:
@@ -472,7 +486,7 @@ class TorchTarget(Target):
                         call()
                 ahead = getattr(inner[name], "ahead", None)
                 if ahead is not None and ahead.outcome is not None:
-                    self.seconds.update(ahead.outcome)
+                    self.seconds.update((f"{part} ({name})", s) for part, s in ahead.outcome.items())
             return race(calls, self.device)
 
 
