@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: fp32 smoke run of the script only")
     p.add_argument("--calls", type=int, default=5, help="calls timed after the first")
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds one measurement may take")
+    p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
+                   help="cold (empty caches) and/or warm (the cold run's caches; needs cold)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile each compile and first call (top functions in the JSON; pstats files in --out)")
     p.add_argument("--compile-bytecode", action="store_true",
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--profile-to", help=argparse.SUPPRESS)  # a child's pstats file
     args = p.parse_args(argv)
+    if "warm" in args.runs and "cold" not in args.runs:
+        p.error("--runs warm reads the caches a cold run fills: give cold too")
     wm.DEVICE, wm.DTYPE = args.device, torch.float16 if args.device == "cuda" else torch.float32
     if args.child:
         print(json.dumps(child(*args.child, args.calls, args.profile_to)))
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             for variant in VARIANTS:
                 dirs = Path(tmp, model, variant)
-                for run in RUNS:
+                for run in args.runs:
                     v = row["runs"].setdefault(variant, {})[run] = measure(model, variant, run, dirs, args, bytecode)
                     print(f"  {variant} {run}: " + (v["error"] if "error" in v else
                           f"first call {v['first_call_s']:.1f} s, after {_after(v)} ms"
