@@ -71,3 +71,15 @@ def test_no_child_once_compiled_or_inside_dynamo(inductor_cache) -> None:
     assert not run.compile_ahead([x])
     gm = torch.fx.symbolic_trace(torch.nn.Linear(16, 4))
     assert not InductorOrEager(gm, example_inputs=[x]).compile_ahead([x])
+
+
+def test_a_stopped_child_leaves_nothing(inductor_cache, caplog) -> None:
+    """A child whose code no program will read is stopped quietly, its input file gone."""
+    x = torch.randn(4, 16)
+    _, run = _program(x)
+    with torch.no_grad(), caplog.at_level("INFO", logger="tkopt.backends.inductor_ahead"):
+        assert run.compile_ahead([x])
+        run.ahead.stop()
+    assert run.ahead.proc.returncode is not None and not run.ahead.ok
+    assert not run.ahead.path.exists() and run.ahead not in run.ahead.running
+    assert "failed" not in caplog.text

@@ -136,6 +136,7 @@ class AheadCompile:
         self.running.append(self)
         self.seconds: float | None = None  # from the start to the child's end, once waited for
         self.ok = False
+        self.stopped = False
         self.outcome: dict[str, float] | None = None
 
     @contextlib.contextmanager
@@ -151,6 +152,13 @@ class AheadCompile:
         found = "found" if counters["inductor"]["fxgraph_cache_hit"] > hits else "did not find"
         self.outcome = {"whole graph: a child's compile ahead": self.seconds or 0.0,
                         f"whole graph: the compile here, which {found} the child's code": time.perf_counter() - t0}
+
+    def stop(self) -> None:
+        """Stop the child, whose code no program will read: it would only take cores from the compiles here."""
+        if self.seconds is None:
+            self.proc.kill()
+            self.stopped = True
+            self.wait()
 
     def wait(self, timeout: float = WAIT_SECONDS) -> bool:
         """Wait for the child (at most `timeout` s, then stop it); whether it compiled. A failure is logged."""
@@ -168,7 +176,7 @@ class AheadCompile:
             self.ok = rc == 0 and bool(lines) and lines[-1].startswith(_DONE)
             # the child's own end, where it said (the wait may begin long after it)
             self.seconds = float(lines[-1].split()[-1]) if self.ok else time.monotonic() - self.started
-            if not self.ok:
+            if not self.ok and not self.stopped:
                 log.info("tkopt: inductor's compile ahead failed (rc %s): %s; it compiles at the first call", rc,
                          lines[-1] if lines else "no output")
         return self.ok

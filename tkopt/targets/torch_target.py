@@ -196,7 +196,7 @@ class TorchTarget(Target):
         self.sized: dict[int, tuple[fx.GraphModule, list[Size]]] = {}  # per graph module: its sizes (`sizes`)
         self.seconds: dict[str, float] = {}
         self.called: set[int] = set()  # ids of the callables `prepare_whole` called (held: programs, alternatives)
-        self.likely: dict[str, Callable[..., Any]] = {}  # likely programs' code -> the runner compiling it ahead
+        self.likely: dict[str, inductor.InductorOrEager] = {}  # likely programs' code -> their runner, compiling ahead
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -226,7 +226,7 @@ class TorchTarget(Target):
         if id(gm) not in self.wrapped:
             run = self.wrap(gm)
             twin = self.likely.pop(gm.code, None)
-            if isinstance(run, inductor.InductorOrEager) and isinstance(twin, inductor.InductorOrEager):
+            if isinstance(run, inductor.InductorOrEager) and twin is not None:
                 run.ahead = twin.ahead
             self.wrapped[id(gm)] = (gm, run)  # the module is held, so its id is not reused
         return self.wrapped[id(gm)][1]
@@ -456,8 +456,9 @@ class TorchTarget(Target):
 
         with unset_fake_temporarily(), torch.no_grad(), self._timed("whole graph: first calls, while kernels build"):
             for gm in likely:
-                if self._compile_ahead(self.runner(gm)):
-                    self.likely[gm.code] = self.runner(gm)
+                run = self.runner(gm)
+                if self._compile_ahead(run):
+                    self.likely[gm.code] = run
             runs = [run for run in map(self.runner, programs) if not self._compile_ahead(run)]
             firsts = [("tkopt's programs", self.as_user(run), run) for run in runs]
             firsts += [(name, alt, alt) for name, alt in ((n, self.alternative(n)) for n in self.factories)]
@@ -475,6 +476,9 @@ class TorchTarget(Target):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         inner = {name: self.runner(gm) for name, gm in programs.items()}
+        for twin in self.likely.values():  # a likely program no program took over (selection declined more)
+            twin.ahead.stop()
+        self.likely.clear()
         variants = {name: self.as_user(run) for name, run in inner.items()}
         with unset_fake_temporarily(), torch.no_grad():
             inner.update((name, self.alternative(name)) for name in self.factories)
