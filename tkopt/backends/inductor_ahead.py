@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import logging
 import os
 import subprocess
@@ -45,6 +46,12 @@ _DROPPED_META = ("source_fn_stack", "nn_module_stack", "fwd_source_fn_stack", "v
 _MATMUL = ("fp32_precision", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
 WAIT_SECONDS = 900.0  # what a first call waits for the child at most, before it compiles here
 _DONE = "compiled; seconds since the start:"  # the child's last line
+_CHILD = """\
+import json, sys
+sys.path[:] = json.loads(sys.argv[1])
+from tkopt.backends.inductor_ahead import main
+main(sys.argv[2:])
+"""
 
 
 def _settings() -> dict[str, Any]:
@@ -128,11 +135,10 @@ class AheadCompile:
         with os.fdopen(fd, "wb") as f:
             f.write(dumps(gm, example_inputs))
         self.log = tempfile.TemporaryFile()
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.path), repr(self.started)], env=env,
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
+        # this process's sys.path, as the kernel workers get it (tkopt.kernels.workers): the same tkopt and torch
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(sys.path), str(self.path),
+                                      repr(self.started)], stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
         self.running.append(self)
         self.seconds: float | None = None  # from the start to the child's end, once waited for
         self.ok = False
@@ -190,6 +196,7 @@ def _stop_children() -> None:
         ahead.path.unlink(missing_ok=True)
 
 
-if __name__ == "__main__":
-    compile_loaded(Path(sys.argv[1]).read_bytes())
-    print(_DONE, time.monotonic() - float(sys.argv[2]), flush=True)  # one clock for every process
+def main(argv: Sequence[str]) -> None:
+    """The child: compile what `dumps` wrote to the file `argv[0]`; say when it ended (`argv[1]`: the start)."""
+    compile_loaded(Path(argv[0]).read_bytes())
+    print(_DONE, time.monotonic() - float(argv[1]), flush=True)  # one clock for every process
