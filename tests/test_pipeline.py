@@ -354,7 +354,7 @@ def test_inductor_compiles_both_raced_programs_in_children(cache_dir, monkeypatc
     monkeypatch.setenv("TKOPT_KERNELS", "tilelang")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr("tkopt.pipeline.MARGIN", 0.0)
-    model, inputs = REFERENCE_MODELS["gpt2_block"]()
+    model, inputs = REFERENCE_MODELS["mlp"]()
     target = _Graphed(inputs, wrap=InductorOrEager, inductor=True, alternatives={"eager": lambda: model})
     result = optimize(import_fx(torch.export.export(model, inputs)), target, select="measured")
     # selection kept every node (the race may then have declined them all: TileLang's serial CPU kernels)
