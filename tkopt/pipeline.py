@@ -27,8 +27,8 @@ sealed; here the report is made.
    torch-cuda); there, with fusions kept, the same program with every fusion put back ("tkopt unfused")
    is raced too, and runs if it wins. That program and the alternatives need no kernel: they are readied
    (compiled, captured) while the kernels build (`Target.prepare_whole`; on torch-cuda inductor compiles the
-   unfused program in a child process, beside selection and the fused program's compile), and with no
-   fusion kept the unfused program is the one returned.
+   unfused program, and the fused program as it will be if selection keeps every node built, in child
+   processes), and with no fusion kept the unfused program is the one returned.
 """
 
 from __future__ import annotations

@@ -477,7 +477,8 @@ class TorchTarget(Target):
 
         inner = {name: self.runner(gm) for name, gm in programs.items()}
         for twin in self.likely.values():  # a likely program no program took over (selection declined more)
-            twin.ahead.stop()
+            if twin.ahead is not None:
+                twin.ahead.stop()
         self.likely.clear()
         variants = {name: self.as_user(run) for name, run in inner.items()}
         with unset_fake_temporarily(), torch.no_grad():
