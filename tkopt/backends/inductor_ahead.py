@@ -143,21 +143,21 @@ class AheadCompile:
         self.seconds: float | None = None  # from the start to the child's end, once waited for
         self.ok = False
         self.stopped = False
-        self.outcome: dict[str, float] | None = None
+        self.here_seconds: float | None = None  # the compile here after the child's (`then_here`)
+        self.found = False  # whether that compile found the child's code in the FX graph cache
 
     @contextlib.contextmanager
     def then_here(self) -> Iterator[None]:
-        """Around the compile here: waits for the child first, and sets `outcome` (seconds: the child's, and the
-        compile here, named by whether it found the child's code in the cache)."""
+        """Around the compile here: waits for the child first, then times the block and notes whether it found
+        the child's code in the cache."""
         from torch._dynamo.utils import counters
 
         self.wait()
         hits = counters["inductor"]["fxgraph_cache_hit"]
         t0 = time.perf_counter()
         yield
-        found = "found" if counters["inductor"]["fxgraph_cache_hit"] > hits else "did not find"
-        self.outcome = {"whole graph: a child's compile ahead": self.seconds or 0.0,
-                        f"whole graph: the compile here, which {found} the child's code": time.perf_counter() - t0}
+        self.here_seconds = time.perf_counter() - t0
+        self.found = counters["inductor"]["fxgraph_cache_hit"] > hits
 
     def stop(self) -> None:
         """Stop the child, whose code no program will read: it would only take cores from the compiles here."""

@@ -273,11 +273,11 @@ def prebuild(nodes: Sequence[Node], device: torch.device, fingerprint: dict[str,
     """Build the kernels the calls of `nodes` need at their example shapes and at `sizes` (the input symbols'
     sizes selection measures them at too; module docstring), those not built here before, in parallel worker
     interpreters where builds would overlap (`workers` defaults to TKOPT_BUILD_WORKERS, else one per core but
-    one; 1: none): two or more, or a lone one `beside` the caller's own work (TorchTarget.probe's first calls of
-    the unfused program), after which it would otherwise build, as it is loaded. A failed wave only warns: what
-    it left is compiled as it is loaded. Returns the compiles to `load` here: every planned one but those that
-    failed in a worker. Loads and runs nothing on the device, so it can run beside other work (TorchTarget.probe's
-    thread), which may `cancel` it."""
+    one; 1: none): two or more, or a lone one `beside` the caller's own work (TorchTarget.probe's `meanwhile`:
+    the first calls of programs that compile in this process), after which it would otherwise build, as it is
+    loaded. A failed wave only warns: what it left is compiled as it is loaded. Returns the compiles to `load`
+    here: every planned one but those that failed in a worker. Loads and runs nothing on the device, so it can
+    run beside other work (TorchTarget.probe's thread), which may `cancel` it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # a torch.compile backend runs under Dynamo's fake mode

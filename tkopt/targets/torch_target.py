@@ -55,6 +55,7 @@ from torch import fx
 
 from tkopt.accuracy import OutputError, output_error
 from tkopt.backends import inductor
+from tkopt.backends.inductor_ahead import AheadCompile
 from tkopt.backends.torch_module import to_torch_module
 from tkopt.backends.torch_ops import CUSTOM_OPS, attr_args
 from tkopt.frontends.fx import node_val, slot_values
@@ -196,7 +197,7 @@ class TorchTarget(Target):
         self.sized: dict[int, tuple[fx.GraphModule, list[Size]]] = {}  # per graph module: its sizes (`sizes`)
         self.seconds: dict[str, float] = {}
         self.called: set[int] = set()  # ids of the callables `prepare_whole` called (held: programs, alternatives)
-        self.likely: dict[str, inductor.InductorOrEager] = {}  # likely programs' code -> their runner, compiling ahead
+        self.likely: dict[str, AheadCompile] = {}  # likely programs' code -> their compile in a child
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -225,9 +226,9 @@ class TorchTarget(Target):
         attributes is the same graph for inductor's cache (where they differ, the key does, and it compiles here)."""
         if id(gm) not in self.wrapped:
             run = self.wrap(gm)
-            twin = self.likely.pop(gm.code, None)
-            if isinstance(run, inductor.InductorOrEager) and twin is not None:
-                run.ahead = twin.ahead
+            ahead = self.likely.pop(gm.code, None)
+            if isinstance(run, inductor.InductorOrEager) and ahead is not None:
+                run.ahead = ahead
             self.wrapped[id(gm)] = (gm, run)  # the module is held, so its id is not reused
         return self.wrapped[id(gm)][1]
 
@@ -458,7 +459,7 @@ class TorchTarget(Target):
             for gm in likely:
                 run = self.runner(gm)
                 if self._compile_ahead(run):
-                    self.likely[gm.code] = run
+                    self.likely[gm.code] = run.ahead
             runs = [run for run in map(self.runner, programs) if not self._compile_ahead(run)]
             firsts = [("tkopt's programs", self.as_user(run), run) for run in runs]
             firsts += [(name, alt, alt) for name, alt in ((n, self.alternative(n)) for n in self.factories)]
@@ -476,9 +477,8 @@ class TorchTarget(Target):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         inner = {name: self.runner(gm) for name, gm in programs.items()}
-        for twin in self.likely.values():  # a likely program no program took over (selection declined more)
-            if twin.ahead is not None:
-                twin.ahead.stop()
+        for ahead in self.likely.values():  # a likely program no program took over (selection declined more)
+            ahead.stop()
         self.likely.clear()
         variants = {name: self.as_user(run) for name, run in inner.items()}
         with unset_fake_temporarily(), torch.no_grad():
@@ -490,8 +490,11 @@ class TorchTarget(Target):
                     with self._timed("whole graph: first calls"):
                         call()
                 ahead = getattr(inner[name], "ahead", None)
-                if ahead is not None and ahead.outcome is not None:
-                    self.seconds.update((f"{part} ({name})", s) for part, s in ahead.outcome.items())
+                if ahead is not None and ahead.here_seconds is not None:
+                    found = "found" if ahead.found else "did not find"
+                    self.seconds[f"whole graph: a child's compile ahead ({name})"] = ahead.seconds or 0.0
+                    self.seconds[f"whole graph: the compile here, which {found} the child's code ({name})"] = \
+                        ahead.here_seconds
             return race(calls, self.device)
 
 
