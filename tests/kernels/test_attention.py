@@ -409,6 +409,9 @@ LOWER_CASES = {
                                              {"block_M": 64, "threads": 128, "min_blocks": 2}),
     "sm90-f16-d32-keymask-two-ctas": ("sm90", "float16", 32, 12, 12, False, ("bshd",) * 4, "bool",
                                       (False, True, True, False), {"block_M": 64, "threads": 128, "min_blocks": 2}),
+    "sm90-f16-d64-three-ctas-keymask": ("sm90", "float16", 64, 12, 12, False, ("bshd",) * 4, "bool",
+                                        (False, True, True, False),
+                                        {"block_M": 64, "block_N": 64, "threads": 128, "min_blocks": 3}),
     "sm90-f16-d80-causal-gqa-bshd": ("sm90", "float16", 80, 8, 2, True, ("bshd",) * 4, None, (False,) * 4, {}),
     "sm90-bf16-d256-keymask": ("sm90", "bfloat16", 256, 4, 4, False, ("bhsd",) * 4, "bool",
                                (False, True, True, False), {}),
@@ -558,10 +561,11 @@ def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
 
 # ---------------------------------------------------------------------------------- GPU numerics
 # variant -> (arch, config overrides): sm90 runs its default (pipelined) schedule, the plain one, and its tuning
-# candidate that asks for several CTAs per SM (one consumer warpgroup each, setmaxnreg split to fit: `TWO_CTAS`).
-TWO_CTAS = "several CTAs per SM"
-GPU_VARIANTS = {"sm90": ("sm90", None), "sm90-plain": ("sm90", {"pipelined": False}), "sm90-ctas": ("sm90", TWO_CTAS),
-                "sm80": ("sm80", None)}
+# candidates that ask for two and for three CTAs per SM (one consumer warpgroup each, setmaxnreg split to fit: an
+# int override is that many CTAs, `_ctas`).
+GPU_VARIANTS = {"sm90": ("sm90", None), "sm90-plain": ("sm90", {"pipelined": False}), "sm90-2ctas": ("sm90", 2),
+                "sm90-3ctas": ("sm90", 3), "sm80": ("sm80", None)}
+CTAS_VARIANTS = ("sm90-2ctas", "sm90-3ctas")
 GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (B, Hq, Hkv, Sq, Skv, D, causal, layout, mask)
 GPU_CASES = {
@@ -581,12 +585,12 @@ GPU_CASES = {
 
 
 def gpu_case_enabled(dtype, case, variant="sm90"):
-    """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one, and not for sm90-plain or sm90-ctas
-    (fp32 always runs its own config); sm90-ctas only at head dims with such a candidate. Each is a compiled
+    """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one, and not for sm90-plain or the CTAs
+    variants (fp32 always runs its own config); those only at head dims with such a candidate. Each is a compiled
     kernel."""
-    if dtype == torch.float32 and variant in ("sm90-plain", "sm90-ctas"):
+    if dtype == torch.float32 and variant in ("sm90-plain", *CTAS_VARIANTS):
         return False
-    if variant == "sm90-ctas" and _two_ctas("sm90", GPU_CASES[case][5]) is None:
+    if variant in CTAS_VARIANTS and gpu_variant_config(variant, dtype, GPU_CASES[case][5])[1] is None:
         return False
     if dtype == torch.float16:
         return True
@@ -600,14 +604,14 @@ def gpu_variant_config(variant, dtype, dim):
     arch, overrides = GPU_VARIANTS[variant]
     if overrides is None or dtype == torch.float32:
         return arch, None
-    if overrides == TWO_CTAS:
-        return arch, _two_ctas(arch, dim)
+    if isinstance(overrides, int):
+        return arch, _ctas(arch, dim, overrides)
     return arch, {**A.default_config(arch, dim), **overrides}
 
 
-def _two_ctas(arch, dim):
-    """The tuning candidate of `arch` at head dim `dim` that asks for several CTAs per SM (None: it has none)."""
-    return next((c for c in A.tune_candidates(arch, dim) if c.get("min_blocks", 1) > 1), None)
+def _ctas(arch, dim, n):
+    """The tuning candidate of `arch` at head dim `dim` that asks for `n` CTAs per SM (None: it has none)."""
+    return next((c for c in A.tune_candidates(arch, dim) if c.get("min_blocks", 1) == n), None)
 
 
 def _gpu_mask(kind, b, hq, sq, skv):
@@ -696,7 +700,7 @@ def test_gpu_packed_qkv_heads_read_in_place(s):
     assert A.kernel_layouts(q, k, v, "bhsd", strided=True)[0] == ("bshd", "bshd", "bshd", "bhsd")
     keys = torch.rand(b, 1, 1, s, device="cuda") > 0.2
     keys[0, ..., -4:], keys[-1] = False, True
-    for variant in ("sm90", "sm90-ctas"):
+    for variant in ("sm90", *CTAS_VARIANTS):
         config = gpu_variant_config(variant, torch.float16, d)[1]
         for causal, mask in ((True, keys), (True, None), (False, keys)):
             out = flash_attention(q, k, v, causal=causal, mask=mask, arch="sm90", config=config)
@@ -722,7 +726,7 @@ GPU_SEMANTICS = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_SEMANTICS))
-@pytest.mark.parametrize("variant", ["sm90", "sm90-ctas", "sm80"])
+@pytest.mark.parametrize("variant", ["sm90", *CTAS_VARIANTS, "sm80"])
 def test_gpu_semantics_match_reference(variant, case):
     """Finite fills (a fully masked row weighs its own keys equally: not the padding of the partial last key
     block, not keys after the query), a scaled additive mask, NaN rows under plain softmax and the NaN guard,
