@@ -145,9 +145,12 @@ def optimize(graph: Graph, target: Target, *, select: str | None = None, disable
         ready = unfused_program is not None and measuring
         # The fused program as it will be if selection keeps every node built (the usual outcome where the
         # declines are cached or shipped): the target may start compiling it too (a child process), which the
-        # program emitted after selection then uses wherever it is that very program.
-        likely = target.emit(sealed_view(graph, [n for n in candidates if n.name in declined])) if ready else None
-        meanwhile = (lambda: target.prepare_whole([unfused_program], [likely])) if ready else None
+        # program emitted after selection then uses wherever it is that very program. Emitted only where the
+        # target asks for it, while the kernels build.
+        def likely() -> list[Any]:
+            return [target.emit(sealed_view(graph, [n for n in candidates if n.name in declined]))]
+
+        meanwhile = (lambda: target.prepare_whole([unfused_program], likely)) if ready else None
         with progress.step(f"building kernels for {len(build)} fused nodes on {target.where}"):
             failed = target.probe(graph, build, meanwhile)
     _kernels_failed(candidates, failed, decisions, target)

@@ -82,11 +82,12 @@ class Target(ABC):
         e.g. as CUDA graphs."""
         return False
 
-    def prepare_whole(self, programs: list[Any], likely: list[Any]) -> None:
+    def prepare_whole(self, programs: list[Any], likely: Callable[[], list[Any]]) -> None:
         """Ready what the whole-graph comparison will run that no selection changes (these programs of tkopt's and
         the alternatives: compiles, captures), so that it can happen while kernels build (where `races_unfused`), or
-        start it there (a compile in another process); and start what can be of the `likely` programs, which
-        selection may yet change and whose kernels are not built (their compile, where it needs no call)."""
+        start it there (a compile in another process); and start what can be of the programs `likely()` emits, which
+        selection may yet change and whose kernels are not built (their compile, where it needs no call): called
+        only where the target can, since emitting them costs time."""
         raise NotImplementedError
 
     def whole_key(self, graph: Graph, programs: dict[str, Any]) -> Any:

@@ -446,21 +446,22 @@ class TorchTarget(Target):
             self.built[name] = self.factories[name]()
         return self.built[name]
 
-    def prepare_whole(self, programs: list[fx.GraphModule], likely: list[fx.GraphModule]) -> None:
+    def prepare_whole(self, programs: list[fx.GraphModule], likely: Callable[[], list[fx.GraphModule]]) -> None:
         """The first calls of `programs` (as the user calls them) and of the alternatives: inductor compiles,
         CUDA-graph captures. One that fails here is left to the race, which says why. A program inductor compiles
         at its first call with static shapes is compiled in a child process instead (inductor_ahead), beside
         selection and the fused program's compile here, all of which it used to hold up; its first call is the
-        race's, which finds inductor's code cached. So is each `likely` program, and a program emitted later with
-        the same code takes its compile over (`runner`)."""
+        race's, which finds inductor's code cached. So is each `likely` program where `programs` did (not inside
+        Dynamo's context), and a program emitted later with the same code takes its compile over (`runner`)."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.no_grad(), self._timed("whole graph: first calls, while kernels build"):
-            for gm in likely:
-                run = self.runner(gm)
-                if self._compile_ahead(run):
-                    self.likely[gm.code] = run.ahead
             runs = [run for run in map(self.runner, programs) if not self._compile_ahead(run)]
+            if len(runs) < len(programs):
+                for gm in likely():
+                    run = self.runner(gm)
+                    if self._compile_ahead(run):
+                        self.likely[gm.code] = run.ahead
             firsts = [("tkopt's programs", self.as_user(run), run) for run in runs]
             firsts += [(name, alt, alt) for name, alt in ((n, self.alternative(n)) for n in self.factories)]
             for name, fn, inner in firsts:
