@@ -511,6 +511,18 @@ def test_pipelined_schedule_overlaps_and_is_not_serialized(lowered, name):
         assert sass.count("MUFU.EX2", d1, d0) >= 16, "ptxas hoisted the PV wait above the softmax"
 
 
+@pytest.mark.parametrize("section", [1, 2, 3, 8, 40])
+@pytest.mark.parametrize("pairs", [1, 5, 12, 24])
+@pytest.mark.parametrize("n_q", [1, 4, 7])
+def test_causal_order_runs_every_tile_once_longest_first_by_sections(n_q, pairs, section):
+    order = [A.causal_order(i, n_q, pairs, section) for i in range(n_q * pairs)]
+    assert sorted(order) == [(b, p) for b in range(n_q) for p in range(pairs)]
+    for first in range(0, pairs, section):
+        tiles = order[first * n_q:min(first + section, pairs) * n_q]
+        assert {p for _, p in tiles} == set(range(first, min(first + section, pairs))), "a section's own pairs"
+        assert [b for b, _ in tiles] == sorted((b for b, _ in tiles), reverse=True), "its longest tiles first"
+
+
 def test_gpu_head_dims_are_the_multiples_of_16_up_to_256():
     assert [d for d in range(300) if A.gpu_head_dim(d)] == list(range(16, 257, 16))
     for d in (40, 272):
@@ -581,6 +593,10 @@ GPU_CASES = {
     "d96-addmask": (2, 4, 4, 150, 211, 96, False, "bhsd", "add"),
     "d256": (2, 4, 4, 300, 300, 256, False, "bhsd", None),
     "d256-boolmask-causal-gqa": (1, 4, 2, 129, 260, 256, True, "bshd", "bool"),
+    # Long enough that the causal CTAs run in several sections of heads (`causal_order`): 16 + 4 q heads at D=128
+    # (fp16, 8 K/V heads' worth per section), 32 + 8 at D=64 with GQA; the kernels of the two cases above.
+    "d128-causal-sections": (5, 4, 2, 8000, 8192, 128, True, "bshd", None),
+    "d64-causal-gqa-sections": (5, 8, 2, 1000, 16384, 64, True, "bhsd", None),
 }
 
 

@@ -38,7 +38,7 @@ SMEM_LIMIT = {"sm90": 227 * 1024, "sm80": 163 * 1024}
 STATIC_SMEM = 1024
 # Deepest pipeline a config that leaves `stages` unset gets (it gets the most stages that fit, up to this).
 MAX_STAGES = 4
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _TORCH_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                 torch.float64: "float64"}
 # Max fp32 accumulator registers per thread we accept (255 registers minus addressing/epilogue room).
@@ -59,8 +59,8 @@ def dtype_name(dtype) -> str:
         if dtype not in _TORCH_NAMES:
             raise UnsupportedError(f"dtype {dtype} is not supported; expected one of {list(_TORCH_NAMES)}")
         return _TORCH_NAMES[dtype]
-    if dtype not in _DTYPE_BYTES:
-        raise UnsupportedError(f"dtype {dtype!r} is not supported; expected one of {list(_DTYPE_BYTES)}")
+    if dtype not in DTYPE_BYTES:
+        raise UnsupportedError(f"dtype {dtype!r} is not supported; expected one of {list(DTYPE_BYTES)}")
     return dtype
 
 
@@ -182,7 +182,7 @@ class TileConfig:
         its two layouts (B or B transposed)."""
         if self.stages is None:
             raise ValueError(f"{self.describe()}: stages is unset; validate(arch, dtype) sets it")
-        e = _DTYPE_BYTES[dtype_name(dtype)]
+        e = DTYPE_BYTES[dtype_name(dtype)]
         bm, bn, bk = self.block_tile
         if arch == "cpu":
             return 0
@@ -250,10 +250,10 @@ class TileConfig:
                         f"is {warps} warps"), (0,) * 5
             if wm % lm or wn % ln:
                 return f"SIMT warp_tile {self.warp_tile} is not a multiple of the {lm}x{ln} lanes", (0,) * 5
-        if bk * _DTYPE_BYTES[dt] % 16:
-            return f"SIMT bk={bk} must span whole 16-byte chunks ({16 // _DTYPE_BYTES[dt]} x {dt})", (0,) * 5
+        if bk * DTYPE_BYTES[dt] % 16:
+            return f"SIMT bk={bk} must span whole 16-byte chunks ({16 // DTYPE_BYTES[dt]} x {dt})", (0,) * 5
         if not wk:
-            wk = 16 // _DTYPE_BYTES[dt]
+            wk = 16 // DTYPE_BYTES[dt]
         if bk % wk:
             return f"SIMT wk={wk} does not divide bk={bk}", (0,) * 5
         return None, (wm, wn, wk, wm // lm, wn // ln)
@@ -292,7 +292,7 @@ class TileConfig:
             return "GPU variants support float16, bfloat16 and float32"
         if self.threads <= 0 or self.threads > 1024 or self.threads % 32:
             return f"threads must be a positive multiple of 32 and <= 1024, got {self.threads}"
-        if self.overlap and (arch != "sm90" or not self.use_tensorcore or _DTYPE_BYTES[dt] != 2):
+        if self.overlap and (arch != "sm90" or not self.use_tensorcore or DTYPE_BYTES[dt] != 2):
             return "overlap is the sm90 wgmma pipeline: tensor cores and 16-bit inputs only"
         if self.overlap and self.threads not in (128, 256):
             # its register split (producer 24, consumers 240 per thread) fits one or two consumer warpgroups
@@ -310,7 +310,7 @@ class TileConfig:
         else:
             problem, (_, _, wk, tm, tn) = self._simt_layout(dt)
             if problem is None:
-                regs = accumulators * tm * tn + (tm + accumulators * tn) * wk * _DTYPE_BYTES[dt] // 4
+                regs = accumulators * tm * tn + (tm + accumulators * tn) * wk * DTYPE_BYTES[dt] // 4
                 if accumulators * tm * tn > MAX_ACC_REGS or regs > MAX_SIMT_REGS:
                     problem = (f"SIMT lanes own {tm}x{tn} outputs x {accumulators} accumulator(s) plus wk={wk} "
                                f"fragments: {regs} registers per thread (> {MAX_SIMT_REGS}); use more threads, a "
@@ -331,7 +331,7 @@ class TileConfig:
 
     def _tensorcore_problem(self, arch: str, dt: str) -> str | None:
         bm, bn, bk = self.block_tile
-        kmul = 16 if _DTYPE_BYTES[dt] == 2 else 8  # MMA K: 16 for 16-bit inputs, 8 for tf32
+        kmul = 16 if DTYPE_BYTES[dt] == 2 else 8  # MMA K: 16 for 16-bit inputs, 8 for tf32
         if bk % kmul:
             return f"bk={bk} is not a multiple of the MMA K ({kmul} for {dt})"
         if arch == "sm90":
@@ -440,7 +440,7 @@ def _warp_layouts(arch: str, dt: str, bm: int, bn: int, threads: int) -> dict[in
 
     from .arch import target_of
 
-    inst = "cuda.wgmma" if arch == "sm90" and _DTYPE_BYTES[dt] == 2 else "cuda.mma"
+    inst = "cuda.wgmma" if arch == "sm90" and DTYPE_BYTES[dt] == 2 else "cuda.mma"
     target = target_of(arch)
     layouts = {p: tuple(int(w) for w in ir.GemmWarpPolicy(p, 0, 0).compute_warp_partition(bm, bn, threads, target,
                                                                                          inst))
