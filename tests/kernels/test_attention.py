@@ -265,11 +265,17 @@ def test_cpu_guards_fully_masked_rows_and_nan(guard):
     assert not out[0, 0, [0, 1, 2, 4, 5]].isnan().any() and not out[0, 1, [0, 1, 4, 5]].isnan().any()
 
 
-SDPA_NAN_CASES = {  # (layout, causal, kv heads, where the NaN goes, whether q's last dim is contiguous)
-    "q-row": ("bhsd", False, 4, "q", True),
-    "q-row-causal-gqa-bshd": ("bshd", True, 2, "q", True),
-    "q-row-not-contiguous": ("bhsd", False, 4, "q", False),  # eager's math fallback: NaN
-    "k-row": ("bhsd", True, 2, "k", True),  # a NaN score beside finite ones: NaN
+# (layout, causal, kv heads, keys, where the NaN goes, whether q's last dim is contiguous, whether eager gives NaN).
+# torch's CPU flash kernel takes a row's max vectorized (a NaN propagates) and its last keys one by one (a NaN is
+# skipped), so a row of NaN gives 0 only where every key is in the scalar tail: 3 float64 keys are on every CPU
+# (its vectors hold 4 or 8), 40 never are.
+SDPA_NAN_CASES = {
+    "q-row": ("bhsd", False, 4, 3, "q", True, False),
+    "q-row-long": ("bhsd", False, 4, 40, "q", True, True),
+    "q-row-causal-gqa-bshd": ("bshd", True, 2, 3, "q", True, False),
+    "q-row-causal-long": ("bhsd", True, 4, 40, "q", True, True),
+    "q-row-not-contiguous": ("bhsd", False, 4, 3, "q", False, True),  # eager's math fallback: NaN
+    "k-row": ("bhsd", True, 2, 5, "k", True, True),  # a NaN score beside finite ones: NaN
 }
 
 
@@ -277,13 +283,14 @@ SDPA_NAN_CASES = {  # (layout, causal, kv heads, where the NaN goes, whether q's
 @pytest.mark.parametrize("case", list(SDPA_NAN_CASES))
 def test_sdpa_guard_gives_what_torchs_cpu_sdpa_gives(case, kernels):
     """A FusedAttention that replaced torch's SDPA without a mask (guard "sdpa") matches eager's SDPA on the CPU
-    for NaN inputs: its flash kernel gives 0 for a query row whose every score is NaN, its math fallback (a last
-    dim that is not contiguous) NaN, and a NaN among finite scores is NaN either way (fuzz seed 3618)."""
+    for NaN inputs: its flash kernel gives 0 or NaN for a query row whose every score is NaN, by the row's length
+    and the CPU's vector width (SDPA_NAN_CASES; fuzz seed 3618 found the 0, an AVX2 CPU the NaN), its math
+    fallback (a last dim that is not contiguous) NaN, and a NaN among finite scores is NaN either way."""
     from tkopt.fused_ops import schema
 
-    layout, causal, hkv, where, contiguous = SDPA_NAN_CASES[case]
+    layout, causal, hkv, keys, where, contiguous, nan = SDPA_NAN_CASES[case]
     torch.manual_seed(12)
-    q, k, v = _qkv(2, 4, hkv, 5, 5 if causal else 7, 8, dtype=torch.float64)
+    q, k, v = _qkv(2, 4, hkv, 5, keys, 8, dtype=torch.float64)
     (q if where == "q" else k)[0, 1, 2] = float("nan")
     if not contiguous:
         q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -297,7 +304,7 @@ def test_sdpa_guard_gives_what_torchs_cpu_sdpa_gives(case, kernels):
     if layout == "bshd":
         got = got.transpose(1, 2)
     torch.testing.assert_close(got, want, equal_nan=True)
-    assert got.isnan().any() == (not contiguous or where == "k")
+    assert got.isnan().any() == nan
 
 
 def test_cpu_float64_mask_keeps_its_range():

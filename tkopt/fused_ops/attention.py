@@ -6,10 +6,10 @@ Layout "bhsd" or "bshd" for Q, K, V and O; K/V may have fewer heads (GQA). scale
 mask_keeps and sets T to mask_fill elsewhere (finite fills stay finite). causal drops keys after the query
 (top-left). guard: what a row gives whose every T is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or
 holds a NaN ("nan": 0, as the dynamo exporter's Where(IsNaN(p), 0, p)); "sdpa" (torch's SDPA without a mask) is
-"masked", and where torch's CPU flash kernel would run, a row whose every T is NaN or -inf gives 0, as that
-kernel does. kept: the key-only mask's summary per batch row that the GPU kernel reads
-(`kernels.attention.kept_rows`, a function of the mask), which the torch backend derives once per graph for all
-the nodes that share a mask; the reference ignores it, the kernel computes it where it is absent.
+"masked", and where torch's CPU flash kernel would run, a row whose every T is NaN or -inf gives what that
+kernel gives (0 or NaN: `kernels.reference.sdpa_as_eager`). kept: the key-only mask's summary per batch row that
+the GPU kernel reads (`kernels.attention.kept_rows`, a function of the mask), which the torch backend derives once
+per graph for all the nodes that share a mask; the reference ignores it, the kernel computes it where it is absent.
 Exact definition: kernels.reference.flash_attention_ref; docs/LEGALITY.md says which graphs map onto it and
 for which inputs.
 """
@@ -46,7 +46,7 @@ def _scale(attrs: dict[str, Any]) -> float | None:
 
 def _semantics(attrs: dict[str, Any], kernel: bool = False) -> dict[str, Any]:
     """The attributes as the reference's and the kernel's keyword arguments (one spelling for both). The kernels
-    run "sdpa" as "masked": `kernel` then zeroes the rows torch's CPU flash kernel zeroes."""
+    run "sdpa" as "masked": `kernel` then takes torch's CPU flash answer for the rows it decides itself."""
     guard = "masked" if kernel and attrs["guard"] == "sdpa" else attrs["guard"]
     return dict(causal=bool(attrs["causal"]), scale=_scale(attrs), layout=attrs["layout"],
                 mask_scale=float(attrs["mask_scale"]), mask_fill=float(attrs["mask_fill"]), guard=guard,
@@ -80,7 +80,7 @@ def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
         _check_precision(q, q.is_cuda)
     out = kernels.flash_attention(q, k, v, mask=mask, kept=kept, **_semantics(attrs, kernel=True))
     if attrs["guard"] == "sdpa" and mask is None and ref.sdpa_flash_on_cpu(q, k, v) and out.isnan().any():
-        out = out.masked_fill(ref.sdpa_dead_rows(q, k, bool(attrs["causal"]), _scale(attrs), attrs["layout"]), 0.0)
+        out = ref.sdpa_as_eager(q, k, v, bool(attrs["causal"]), _scale(attrs), attrs["layout"], out)
     return [out]
 
 

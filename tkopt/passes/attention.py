@@ -995,8 +995,8 @@ def _match_softmax(view: _View, sm: Node) -> _Match:
 def _match_sdpa(view: _View, n: Node) -> _Match:
     """torch's SDPA: softmax(Q K^T * scale + mask) V, a bool mask keeping where True, is_causal top-left,
     rows with every key masked giving 0 (its safe softmax: guard "masked"), fewer K/V heads as GQA. Without a
-    mask, guard "sdpa": torch's CPU flash kernel then also gives 0 for a row whose every score is NaN (with a mask
-    it gives NaN, as CUDA does either way)."""
+    mask, guard "sdpa": torch's CPU flash kernel then also decides a row whose every score is NaN, 0 or NaN by the
+    row's length (with a mask it gives NaN, as CUDA does either way)."""
     q, k, v, mask = [*n.inputs, None, None][:4]
     if float(n.attrs.get("dropout_p", 0.0) or 0.0) > 0:
         raise _Refuse(f"dropout_p={n.attrs['dropout_p']} (training) in {n.name}")
