@@ -7,7 +7,7 @@ mask_keeps and sets T to mask_fill elsewhere (finite fills stay finite). causal 
 (top-left). guard: what a row gives whose every T is -inf ("none": NaN, as softmax; "masked": 0, as SDPA) or
 holds a NaN ("nan": 0, as the dynamo exporter's Where(IsNaN(p), 0, p)); "sdpa" (torch's SDPA without a mask) is
 "masked", and where torch's CPU flash kernel would run, a row whose every T is NaN or -inf gives what that
-kernel gives (0 or NaN: `kernels.reference.sdpa_as_eager`). kept: the key-only mask's summary per batch row that
+kernel gives (0 or NaN: `kernels.reference.sdpa_eager`). kept: the key-only mask's summary per batch row that
 the GPU kernel reads (`kernels.attention.kept_rows`, a function of the mask), which the torch backend derives once
 per graph for all the nodes that share a mask; the reference ignores it, the kernel computes it where it is absent.
 Exact definition: kernels.reference.flash_attention_ref; docs/LEGALITY.md says which graphs map onto it and
@@ -72,6 +72,8 @@ def _check_precision(q: Tensor, on_gpu: bool) -> None:
 
 
 def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
+    import torch
+
     from tkopt import kernels
     from tkopt.kernels import reference as ref
 
@@ -80,7 +82,9 @@ def kernel(ins: Sequence[Tensor | None], attrs: dict[str, Any]) -> list[Tensor]:
         _check_precision(q, q.is_cuda)
     out = kernels.flash_attention(q, k, v, mask=mask, kept=kept, **_semantics(attrs, kernel=True))
     if attrs["guard"] == "sdpa" and mask is None and ref.sdpa_flash_on_cpu(q, k, v) and out.isnan().any():
-        out = ref.sdpa_as_eager(q, k, v, bool(attrs["causal"]), _scale(attrs), attrs["layout"], out)
+        causal, scale, layout = bool(attrs["causal"]), _scale(attrs), attrs["layout"]
+        dead = ref.sdpa_dead_rows(q, k, causal, scale, layout)
+        out = torch.where(dead, ref.sdpa_eager(q, k, v, causal, scale, layout), out)
     return [out]
 
 

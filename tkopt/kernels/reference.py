@@ -95,7 +95,7 @@ SCORE_BLOCK = 1 << 26
 def sdpa_flash_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether torch's SDPA, called without a mask on these CPU tensors (4-D, either layout: the head transpose
     keeps the last stride), runs its flash kernel, whose answer for a query row whose every score is NaN or -inf
-    is its own (`sdpa_as_eager`). Its math fallback (3-D inputs, a last dim that is not contiguous, flash switched
+    is its own (`sdpa_eager`). Its math fallback (3-D inputs, a last dim that is not contiguous, flash switched
     off) gives NaN for a row of NaN, as every CUDA backend does."""
     return (q.device.type == "cpu" and q.dim() == 4 and all(t.stride(-1) == 1 for t in (q, k, v))
             and torch.backends.cuda.flash_sdp_enabled())
@@ -103,7 +103,7 @@ def sdpa_flash_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 
 def sdpa_dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, layout: str) -> torch.Tensor:
     """The query rows (a size-1 last dim, in q's layout) whose every score, scaled and with the causal keys dropped,
-    is NaN or -inf: where torch's CPU flash SDPA gives what `sdpa_as_eager` says."""
+    is NaN or -inf: where torch's CPU flash SDPA gives what `sdpa_eager` gives."""
     if layout == "bshd":
         q, k = (t.transpose(1, 2) for t in (q, k))
     s = _scaled_scores(q, _with_heads(k, q.shape[1]), scale)
@@ -111,21 +111,18 @@ def sdpa_dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float 
     return dead.transpose(1, 2) if layout == "bshd" else dead
 
 
-def sdpa_as_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None, layout: str,
-                  out: torch.Tensor) -> torch.Tensor:
-    """`out` with the rows `sdpa_dead_rows` names taken from torch's own SDPA on the same CPU inputs. Its flash
-    kernel gives 0 for a row of -inf, but for a row of NaN it gives 0 only where the row's max skips the NaN: the
-    max is vectorized and propagates NaN, its scalar tail skips it, so the answer depends on the key count, the
-    dtype and the CPU's vector width (a float32 row of 8 keys: 0 on an AVX-512 CPU, NaN on an AVX2 one). Asking
-    torch is the one exact model; dead rows are rare (NaN or -inf inputs), so it is asked only when there are."""
-    dead = sdpa_dead_rows(q, k, causal, scale, layout)
-    if not dead.any():
-        return out
+def sdpa_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+               layout: str) -> torch.Tensor:
+    """torch's own SDPA on these inputs, in their layout: what the rows `sdpa_dead_rows` names take where its CPU
+    flash kernel runs. That kernel gives 0 for a row of -inf, but for a row of NaN it gives 0 only where the row's
+    max skips the NaN: the max is vectorized and propagates NaN, its scalar tail skips it, so the answer depends on
+    the key count, the dtype and the CPU's vector width (a float32 row of 8 keys: 0 on an AVX-512 CPU, NaN on an
+    AVX2 one). Asking torch is the one model that holds on every CPU and torch version."""
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    eager = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                                             enable_gqa=k.shape[1] != q.shape[1])
-    return torch.where(dead, eager.transpose(1, 2) if layout == "bshd" else eager, out)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                           enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2) if layout == "bshd" else out
 
 
 def _with_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -179,14 +176,15 @@ def flash_attention_ref(
     ("masked"); "nan" zeroes every NaN probability (the dynamo exporter's Where(IsNaN(p), 0, p)), so rows
     with a NaN or +inf score give 0 too; "sdpa" is torch's SDPA called without a mask: "masked", and where its
     CPU flash kernel runs (`sdpa_flash_on_cpu`) a row whose every T is NaN or -inf gives what that kernel gives
-    (`sdpa_as_eager`). NaN and inf otherwise propagate as in eager (p @ v reads every key).
+    (`sdpa_eager`: the reference takes those rows from it). NaN and inf otherwise propagate as in eager (p @ v
+    reads every key).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if guard not in GUARDS:
         raise ValueError(f"guard must be one of {GUARDS}, got {guard!r}")
     cpu_flash = guard == "sdpa" and mask is None and sdpa_flash_on_cpu(q, k, v)  # the inputs as SDPA gets them
-    inputs = q, k, v
+    inputs, dead = (q, k, v), []  # dead: per block of rows, those whose every score is NaN or -inf
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     hq, hkv = q.shape[1], k.shape[1]
@@ -202,6 +200,8 @@ def flash_attention_ref(
             s = s.masked_fill(m != mask_keeps, mask_fill) if m.dtype == torch.bool else (s + _acc(m)) * mask_scale
         if causal:
             s = _drop_later_keys(s, r)
+        if cpu_flash:
+            dead.append(_nan_or_neg_inf_rows(s))
         p = torch.softmax(s, dim=-1)
         if guard in ("masked", "sdpa"):
             p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
@@ -211,7 +211,11 @@ def flash_attention_ref(
 
     o = torch.cat([attend(r) for r in range(0, max(q.shape[-2], 1), rows)], dim=-2)
     o = o.transpose(1, 2) if layout == "bshd" else o
-    return sdpa_as_eager(*inputs, causal, scale, layout, o) if cpu_flash and o.isnan().any() else o
+    if cpu_flash:  # without a branch on the values, so that the reference traces (training graphs run it)
+        dead = torch.cat(dead, dim=-2)
+        dead = dead.transpose(1, 2) if layout == "bshd" else dead
+        o = torch.where(dead, sdpa_eager(*inputs, causal, scale, layout), o)
+    return o
 
 
 def add_layer_norm_ref(
