@@ -116,8 +116,9 @@ def sdpa_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     """torch's own SDPA on these inputs, in their layout: what the rows `sdpa_dead_rows` names take where its CPU
     flash kernel runs. That kernel gives 0 for a row of -inf, but for a row of NaN it gives 0 only where the row's
     max skips the NaN: the max is vectorized and propagates NaN, its scalar tail skips it, so the answer depends on
-    the key count, the dtype and the CPU's vector width (a float32 row of 8 keys: 0 on an AVX-512 CPU, NaN on an
-    AVX2 one). Asking torch is the one model that holds on every CPU and torch version."""
+    the key count, the dtype and the CPU's vector width (a float32 row of 8 keys: NaN on an AVX2 CPU, where 7 keys
+    give 0; an AVX-512 CPU's vectors hold twice as many). Asking torch is the one model that holds on every CPU and
+    torch version."""
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
