@@ -118,7 +118,7 @@ def conv2d_program_gpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act
                 v = c_l[i, j]
                 if has_bias:
                     v = v + T.Cast(acc, Bias[bx * block_n + j])
-                c_s[i, j] = T.Cast(dtype, activation(v, act, "float32"))
+                c_s[i, j] = T.Cast(dtype, activation(v, act, "float32", dtype, cuda=True))
             for i, j in T.Parallel(block_m, block_n):
                 if T.And(by * block_m + i < m_total, bx * block_n + j < f):
                     Y[by * block_m + i, bx * block_n + j] = c_s[i, j]
@@ -160,7 +160,7 @@ def conv2d_program_cpu(c, h, w, f, kh, kw, stride, padding, dilation, dtype, act
                         accv[0] += T.Cast(acc, X[nb, iy, ix, ci]) * T.Cast(acc, Wt[(ty * kw + tx) * c + ci, fo])
                 if has_bias:
                     accv[0] += T.Cast(acc, Bias[fo])
-                Y[mi, fo] = T.Cast(dtype, activation(accv[0], act, acc))
+                Y[mi, fo] = T.Cast(dtype, activation(accv[0], act, acc, dtype))
 
     return main
 

@@ -168,12 +168,13 @@ def _per_group(groups: tuple[int, ...], bn: int):
     return sum(tiles), two if len(groups) == 2 else three
 
 
-def _epilogue(acc, acc2, bias_v, bias2_v, res_v, act, gated, acc_dt):
-    """Epilogue value from accumulator(s) and optional bias / residual values (all TIR expressions)."""
+def _epilogue(acc, acc2, bias_v, bias2_v, res_v, act, gated, acc_dt, out_dt, *, cuda: bool):
+    """Epilogue value from accumulator(s) and optional bias / residual values (all TIR expressions), to be
+    rounded to `out_dt` (activations.activation)."""
     import tilelang.language as T
 
     x = acc if bias_v is None else acc + T.cast(bias_v, acc_dt)
-    x = activation(x, act, acc_dt)
+    x = activation(x, act, acc_dt, out_dt, cuda=cuda)
     if gated:
         x = x * (acc2 if bias2_v is None else acc2 + T.cast(bias2_v, acc_dt))
     if res_v is not None:
@@ -251,14 +252,17 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
         if has_bias or split:
             for i, j in T.Parallel(bm, bn):
                 C_l[i, j] = _epilogue(_tf32x3_sum(C_l[i, j], C_lo[i, j]) if split else C_l[i, j], None,
-                                      Bias[bx * bn + j] if has_bias else None, None, None, None, False, acc_dt)
+                                      Bias[bx * bn + j] if has_bias else None, None, None, None, False, acc_dt,
+                                      acc_dt, cuda=True)
                 if gated:
                     C2_l[i, j] = _epilogue(_tf32x3_sum(C2_l[i, j], C2_lo[i, j]) if split else C2_l[i, j], None,
-                                           Bias2[bx * bn + j] if has_bias else None, None, None, None, False, acc_dt)
+                                           Bias2[bx * bn + j] if has_bias else None, None, None, None, False, acc_dt,
+                                           acc_dt, cuda=True)
         if act is not None or has_res or gated:
             for i, j in T.Parallel(bm, bn):
                 C_l[i, j] = _epilogue(C_l[i, j], C2_l[i, j] if gated else None, None, None,
-                                      R[by * bm + i, bx * bn + j] if has_res else None, act, gated, acc_dt)
+                                      R[by * bm + i, bx * bn + j] if has_res else None, act, gated, acc_dt, dtype,
+                                      cuda=True)
         if stage_c:
             if overlap:  # thread syncs are ours to place here (_overlap_body): C_s is free, then written
                 T.sync_threads(bar, cfg.tile_threads)
@@ -626,6 +630,8 @@ def _simt_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m):
                                 act,
                                 gated,
                                 acc_dt,
+                                dtype,
+                                cuda=True,
                             ),
                             dtype,
                         )
@@ -678,6 +684,8 @@ def _cpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, groups
                     act,
                     gated,
                     acc_dt,
+                    dtype,
+                    cuda=False,
                 )
 
     @T.macro
