@@ -35,10 +35,10 @@ def _gelu_fp32(x, coeffs: tuple[float, ...], cuda: bool):
     """Exact (erf) GELU x Phi(x) in float32 from one exp2: Phi(-|x|) = 2^P(|x|) with P a fit above (`coeffs`),
     Phi(x) = 1 - Phi(-x) for x >= 0 and 0 below -_GELU_TAIL (where float32's 1 + erf(x / sqrt 2) is 0 too; -inf
     gives NaN, as eager). erff's two-range polynomial takes 26 SASS instructions an element, most of a GEMM
-    epilogue's; this 20 at degree 10 (16 at degree 6), branch-free, so that the compiler interleaves elements
-    (BERT-base's 8192x3072x768 + GELU on the H200: 89 -> 84 us; benchmarks/results/2026-12-07-h200). Error at
-    degree 10: 6e-7 absolute at most, 3e-7 relative near 0, under float32 erff's own (1.2e-6 absolute). On CUDA
-    |x| is fabsf, which the min takes as an operand modifier; the C backend has no fabs."""
+    epilogue's; this 20 at degree 10 and 15 at degree 6 with fabsf (benchmarks/results/2026-12-07-g), branch-free,
+    so that the compiler interleaves elements (BERT-base's 8192x3072x768 + GELU on the H200, degree 10: 89 -> 84
+    us; 2026-12-07-h200). Error at degree 10: 6e-7 absolute at most, 3e-7 relative near 0, under float32 erff's own
+    (1.2e-6 absolute). On CUDA |x| is fabsf, which the min takes as an operand modifier; the C backend has no fabs."""
     import tilelang.language as T
 
     f32 = functools.partial(const, dtype="float32")
