@@ -626,6 +626,8 @@ NVCC_CASES = {
                                                                  threads=256, overlap=True, persistent=132,
                                                                  pingpong=True),
                                                b_transposed=False, has_bias=False, act=None)),
+    "sm80-bf16-bias-gelu": ("sm80", dict(N=3072, K=768, dtype="bfloat16", config=default_config("sm80", "bfloat16"),
+                                         b_transposed=True, has_bias=True, act="gelu")),
     "sm80-gated-gelu-fp32": ("sm80", dict(N=512, K=256, dtype="float32", precision="tf32",
                                           config=default_config("sm80", "float32", accumulators=2, precision="tf32"),
                                           b_transposed=True, has_bias=False, act="gelu", gated=True)),
