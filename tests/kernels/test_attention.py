@@ -425,6 +425,13 @@ LOWER_CASES = {
     "sm80-f16-d96-addmask": ("sm80", "float16", 96, 4, 2, False, ("bhsd",) * 4, "add", (False, True, False, False),
                              {}),
     "sm80-f16-d256-causal-gqa": ("sm80", "float16", 256, 8, 2, True, ("bshd",) * 4, None, (False,) * 4, {}),
+    "sm90-persistent-f16-d64-keymask": ("sm90", "float16", 64, 12, 12, False, ("bshd",) * 4, "bool",
+                                        (False, True, True, False), {"pipelined": False, "persistent": 132}),
+    "sm90-persistent-bf16-d128-causal-gqa-addmask": ("sm90", "bfloat16", 128, 8, 2, True, ("bhsd",) * 4, "add",
+                                                     (False, True, False, False),
+                                                     {"pipelined": False, "persistent": 132}),
+    "sm90-pingpong-f16-d64-causal": ("sm90", "float16", 64, 12, 12, True, ("bshd",) * 4, None, (False,) * 4,
+                                     {"pipelined": False, "persistent": 132, "pingpong": True}),
 }  # fmt: skip
 
 
@@ -437,7 +444,7 @@ def _lower(case):
     options = {"kept_rows": True, **(semantics[0] if semantics else {})}
     func = A.gpu_program(dtype, dim, hq, hkv, causal, layouts, mk, bc, None, **options,
                          strided_qkv=A.reads_strided(arch), **_config(arch, dim, overrides))
-    return lower_cuda(func, arch, A._pass_configs(arch))
+    return lower_cuda(func, arch, A._pass_configs(arch, config=_config(arch, dim, overrides)))
 
 
 @pytest.fixture(scope="module")
@@ -518,6 +525,47 @@ def test_pipelined_schedule_overlaps_and_is_not_serialized(lowered, name):
         assert sass.count("MUFU.EX2", d1, d0) >= 16, "ptxas hoisted the PV wait above the softmax"
 
 
+@pytest.mark.parametrize("name", [n for n, c in LOWER_CASES.items() if c[9].get("persistent")])
+def test_persistent_schedule_hands_its_buffers_over_in_order(lowered, name):
+    """The persistent schedule's protocol, on the lowered source (TileLang's thread syncs are off there, so nothing
+    else orders the two sides):
+
+    - each barrier expects what arrives: the producer warpgroup's 128 threads on the loads' barriers, every
+      consumer thread on the ones that give Q and the K/V stages back;
+    - the producer waits for a buffer to be given back before its TMA load into it;
+    - a consumer gives a K/V stage back only after waiting for the wgmma that read it last (PV), and Q after a
+      tile's last block;
+    - with pingpong, QK^T is issued between the warpgroup's turn (bar.sync) and handing the turn over (bar.arrive),
+      and waited for after; warpgroup 1 hands warpgroup 0 its first turn and warpgroup 0 takes the last hand-over,
+      so every bar.arrive meets a bar.sync;
+    - ptxas keeps the wgmma asynchronous (C7514 / C7517: a path reads its registers before the wait).
+    """
+    src = lowered[name]
+    threads = LOWER_CASES[name][9].get("threads", _config("sm90", LOWER_CASES[name][2], {})["threads"])
+    stages = _config("sm90", LOWER_CASES[name][2], LOWER_CASES[name][9])["num_stages"]
+    inits = dict(re.findall(r"(\w+\[\d+\])\.init\((\d+)\)", src))
+    want = {"q_full[0]": 128, "q_empty[0]": threads}
+    for i in range(stages):
+        want.update({f"k_full[{i}]": 128, f"v_full[{i}]": 128, f"kv_empty[{i}]": threads})
+    assert {k: int(v) for k, v in inits.items()} == want
+    consumer_at = src.index("warpgroup_reg_alloc")
+    producer, consumer = src[src.index("warpgroup_reg_dealloc"):consumer_at], src[consumer_at:]
+    assert producer.index("q_empty[0].wait(") < producer.index("tma_load(Q_desc")
+    assert producer.index("kv_empty[") < producer.index("tma_load(K_desc") < producer.index("tma_load(V_desc")
+    pv = consumer.index("wgmma_rs")
+    assert consumer.index("warpgroup_wait<0>", pv) < consumer.index("kv_empty[", pv) < consumer.index(
+        "q_empty[0].arrive()", pv)
+    if LOWER_CASES[name][9].get("pingpong"):
+        turn = consumer.index("__sync_thread_partial((wg + 4), ")
+        issue = consumer.index("wgmma_ss", turn)
+        handed = consumer.index("__named_barrier_arrive((5 - wg), ", issue)
+        assert issue < handed < consumer.index("wait_wgmma<0>", issue)
+        assert re.search(r"if \(wg == 1\) \{\s*tl::__named_barrier_arrive\(4, 256\);", consumer)
+        assert re.search(r"if \(wg == 0\) \{\s*tl::__sync_thread_partial\(4, 256\);\s*\}\s*\}\s*\}\s*$", consumer)
+    build = cuda_compile(src, "sm90")
+    assert not re.search(r"C751[47]", build.log), build.log[-3000:]
+
+
 @pytest.mark.parametrize("section", [1, 2, 3, 8, 40])
 @pytest.mark.parametrize("pairs", [1, 5, 12, 24])
 @pytest.mark.parametrize("n_q", [1, 4, 7])
@@ -538,8 +586,8 @@ def test_gpu_head_dims_are_the_multiples_of_16_up_to_256():
 
 
 def test_schedule_configs():
-    """Both schedules are tuning candidates on sm90 (which wins is measured on the device); pipelined is
-    sm90-only."""
+    """Both schedules are tuning candidates on sm90 (which wins is measured on the device); pipelined and
+    persistent are sm90-only, pingpong needs the persistent schedule's two consumer warpgroups."""
     for dim in (16, 32, 64, 80, 96, 128, 192, 256):
         cands = A.tune_candidates("sm90", dim)
         assert {bool(c.get("pipelined")) for c in cands} == {True, False}
@@ -550,8 +598,13 @@ def test_schedule_configs():
         assert A.default_config("sm90", dim) in masked and all(c["block_M"] * c["block_N"] <= 128 * 128
                                                                   for c in masked)  # fmt: skip
     key = ("float16", 64, 4, 4, False, ("bhsd",) * 4, None, (False,) * 4, None)
-    with pytest.raises(UnsupportedError, match="pipelined schedule needs wgmma"):
-        A.compile_gpu("sm80", key, tuple(sorted({**A.default_config("sm80", 64), "pipelined": True}.items())))
+    for schedule in ({"pipelined": True}, {"persistent": 108}):
+        with pytest.raises(UnsupportedError, match="persistent schedules need wgmma"):
+            A.compile_gpu("sm80", key, tuple(sorted({**A.default_config("sm80", 64), **schedule}.items())))
+    with pytest.raises(UnsupportedError, match="pingpong takes turns"):
+        A.gpu_program("float16", 64, 4, 4, False, pingpong=True, persistent=0)
+    with pytest.raises(UnsupportedError, match="persistent schedule takes fp16/bf16"):
+        A.gpu_program("float32", 64, 4, 4, False, persistent=132)
 
 
 def test_gpu_programs_refuse_a_scale_that_is_not_positive():
@@ -579,11 +632,15 @@ def test_sm80_variant_for_hopper_lowers_without_wgmma_and_compiles():
 
 
 # ---------------------------------------------------------------------------------- GPU numerics
-# variant -> (arch, config overrides): sm90 runs its default (pipelined) schedule, the plain one, and its tuning
+# variant -> (arch, config overrides): sm90 runs its default (pipelined) schedule, the plain one, its tuning
 # candidates that ask for two and for three CTAs per SM (one consumer warpgroup each, setmaxnreg split to fit: an
-# int override is that many CTAs, `_ctas`).
+# int override is that many CTAs, `_ctas`), and the persistent schedule with 132 resident CTAs (an H100's or H200's
+# SMs: the small cases have fewer tiles than CTAs, the long ones many tiles a CTA), without and with pingpong.
 GPU_VARIANTS = {"sm90": ("sm90", None), "sm90-plain": ("sm90", {"pipelined": False}), "sm90-2ctas": ("sm90", 2),
-                "sm90-3ctas": ("sm90", 3), "sm80": ("sm80", None)}
+                "sm90-3ctas": ("sm90", 3), "sm90-persistent": ("sm90", {"pipelined": False, "persistent": 132}),
+                "sm90-pingpong": ("sm90", {"pipelined": False, "persistent": 132, "pingpong": True}),
+                "sm80": ("sm80", None)}
+PERSISTENT_VARIANTS = ("sm90-persistent", "sm90-pingpong")
 CTAS_VARIANTS = ("sm90-2ctas", "sm90-3ctas")
 GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (B, Hq, Hkv, Sq, Skv, D, causal, layout, mask)
@@ -611,7 +668,7 @@ def gpu_case_enabled(dtype, case, variant="sm90"):
     """fp16 on every case; bf16 on two (one masked); fp32 (tf32 math) on one, and not for sm90-plain or the CTAs
     variants (fp32 always runs its own config); those only at head dims with such a candidate. Each is a compiled
     kernel."""
-    if dtype == torch.float32 and variant in ("sm90-plain", *CTAS_VARIANTS):
+    if dtype == torch.float32 and variant in ("sm90-plain", *PERSISTENT_VARIANTS, *CTAS_VARIANTS):
         return False
     if variant in CTAS_VARIANTS and gpu_variant_config(variant, dtype, GPU_CASES[case][5])[1] is None:
         return False

@@ -11,7 +11,10 @@ ahead of the calls), and two public program builders that another engineer lower
   (config key `pipelined`): plain (QK^T, softmax, PV in sequence; T.gemm waits for each wgmma) and, sm90
   fp16/bf16 only, pipelined (FlashAttention-3's overlap of block t's softmax with PV of block t-1, with
   explicitly async wgmma). fp32 inputs run on tensor cores as tf32 (P goes through shared memory; plain
-  schedule only); not yet checked on a GPU.
+  schedule only); not yet checked on a GPU. A third sm90 schedule (config key `persistent`, optionally with
+  `pingpong`): resident CTAs walk the tiles with the TMA loads written out, so that a CTA's next tile loads
+  while its current one finishes; lowered and built by the CI tests, not yet run on a GPU, so it is no tuning
+  candidate (TUNE_CANDIDATES) until its GPU tests pass.
 - `cpu_program(...)`: the C-backend variant (serial, one query row per program, blocked online softmax).
 
 Compile-time keys (all hashable; see the builders' docstrings): dtype, head dim, query heads, kv heads,
@@ -245,6 +248,10 @@ def _visible(q_idx, k_idx, seq_kv, causal: bool):
 # The K/V bytes that one section of causal CTAs reads (`causal_order`): within the L2 of an A100 (40 MB), H100 and
 # H200 (50 MB) with room for Q and O, as FlashAttention-3's longest-first scheduler sizes its sections.
 L2_SECTION_BYTES = 32 * 1024 * 1024
+# The named barrier the persistent kernel's consumer warpgroups sync on around the staged output (0 is
+# __syncthreads, 1 TileLang's cross-warp reductions).
+_OUTPUT_BARRIER = 3
+_TURN_BARRIER = 4  # and 5: the pingpong turns of consumer warpgroups 0 and 1
 
 
 def causal_order(idx, n_q, pairs, section, ops: tuple | None = None):
@@ -327,6 +334,8 @@ def gpu_program(
     strided_qkv: bool = False,
     kept_rows: bool = False,
     min_blocks: int = 1,
+    persistent: int = 0,
+    pingpong: bool = False,
 ):
     """The flash attention forward `T.prim_func` for CUDA (sm90 and sm80 use this same template).
 
@@ -338,7 +347,9 @@ def gpu_program(
     (sm90 fp16/bf16 only: the FlashAttention-3 style schedule, see `pipelined_loop` below; ignored for
     fp32, which keeps the plain schedule). `strided_qkv`: q, k, v strides are run-time values (compile_gpu
     sets it where `reads_strided(arch)`). `kept_rows` (compile_gpu sets it): a key-only mask comes with
-    Kept, its summary per batch row (`kept_rows`), after Mask.
+    Kept, its summary per batch row (`kept_rows`), after Mask. `persistent` (sm90 fp16/bf16): that many resident
+    CTAs walk the tiles, with the loads written out (`persistent_body`); `pingpong` (persistent, two consumer
+    warpgroups) takes turns between them at issuing QK^T.
     """
     import tilelang.language as T
 
@@ -395,6 +406,11 @@ def gpu_program(
     # The pipelined schedule issues wgmma explicitly (T.wgmma_gemm), and tf32 wgmma needs K-major operands,
     # which V (block_N x dim, the PV GEMM's B) is not: fp32 keeps the plain schedule (T.gemm picks mma).
     pipelined = bool(pipelined) and not fp32
+    if persistent and fp32:
+        raise UnsupportedError("flash_attention: the persistent schedule takes fp16/bf16 (wgmma from registers)")
+    if pingpong and not (persistent and threads == 256):
+        raise UnsupportedError("flash_attention: pingpong takes turns between the persistent schedule's two "
+                               "consumer warpgroups (threads=256)")
 
     def tile(buf, layout, b, h, s0, n):
         return buf[_index(layout, b, h, slice(s0, s0 + n), slice(None))]
@@ -646,23 +662,41 @@ def gpu_program(
                 T.wait_wgmma(0)
 
     @T.macro
+    def finish(acc_o, logsum):
+        """O divided by the softmax's row sums."""
+        if has_mask or guard == "nan":  # without a mask no row is fully masked (seq_kv >= 1, top-left)
+            for i, j in T.Parallel(block_M, dim):
+                acc_o[i, j] = _normalized(acc_o[i, j], logsum[i], guard, accum)
+        else:
+            for i, j in T.Parallel(block_M, dim):
+                acc_o[i, j] /= logsum[i]
+
+    def tile_of(t, n_q):
+        """(query block, q head, batch) of tile t in launch order: the non-persistent grid's order (causal:
+        `causal_order`'s), so that the tiles that run together share K/V in L2 either way."""
+        if causal:
+            kv_heads_fit = T.max(1, T.truncdiv(L2_SECTION_BYTES // (2 * dim * DTYPE_BYTES[dtype]), seq_kv))
+            q_block, pair = causal_order(t, n_q, heads_q * batch, kv_heads_fit * group, _tir_order_ops())
+            return q_block, T.truncmod(pair, heads_q), T.truncdiv(pair, heads_q)
+        pair = T.alloc_var("int32", init=T.truncdiv(t, n_q))[0]
+        return T.truncmod(t, n_q), T.truncmod(pair, heads_q), T.truncdiv(pair, heads_q)
+
+    def key_blocks(bx):
+        """How many key blocks query block bx attends to: all, or causal, those up to its diagonal."""
+        if causal:
+            return T.min(T.ceildiv(seq_kv, block_N), T.ceildiv((bx + 1) * block_M, block_N))
+        return T.ceildiv(seq_kv, block_N)
+
+    @T.macro
     def body(Q, K, V, Mask, Kept, Output):
         # Causal: CTA bx has bx + 1 key blocks' work, so the longest go first, by sections of heads whose K/V
         # fit L2 (`causal_order`); in plain launch order the last wave held the heaviest CTAs of the last heads.
         # Without causality every CTA has the same work, and a head's query blocks stay adjacent (they share
         # its K/V in L2). A section counts the q heads of whole K/V heads (GQA: `group` q heads read one).
         n_q = T.ceildiv(seq_q, block_M)
-        if causal:
-            kv_heads_fit = T.max(1, T.truncdiv(L2_SECTION_BYTES // (2 * dim * DTYPE_BYTES[dtype]), seq_kv))
-            grid = (n_q * heads_q * batch,)
-        else:
-            grid = (n_q, heads_q, batch)
+        grid = (n_q * heads_q * batch,) if causal else (n_q, heads_q, batch)
         with T.Kernel(*grid, threads=threads) as ids:
-            if causal:
-                q_block, pair = causal_order(ids, n_q, heads_q * batch, kv_heads_fit * group, _tir_order_ops())
-                bx, by, bz = q_block, T.truncmod(pair, heads_q), T.truncdiv(pair, heads_q)
-            else:
-                bx, by, bz = ids
+            bx, by, bz = tile_of(ids, n_q) if causal else ids
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
                 producer, consumer = _register_split(threads, min_blocks)
@@ -695,10 +729,7 @@ def gpu_program(
             T.fill(logsum, 0)
             T.fill(scores_max, neg_inf)
 
-            if causal:
-                loop_range = T.min(T.ceildiv(seq_kv, block_N), T.ceildiv((bx + 1) * block_M, block_N))
-            else:
-                loop_range = T.ceildiv(seq_kv, block_N)
+            loop_range = key_blocks(bx)
 
             if pipelined:
                 pipelined_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, kmask,
@@ -707,14 +738,120 @@ def gpu_program(
                 plain_loop(Q_shared, K_shared, V_shared, P_buf, acc_s, acc_o, stats, K, V, Mask, all_kept,
                            loop_range, bx, by, bz)  # fmt: skip
 
-            if has_mask or guard == "nan":  # without a mask no row is fully masked (seq_kv >= 1, top-left)
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] = _normalized(acc_o[i, j], logsum[i], guard, accum)
-            else:
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] /= logsum[i]
+            finish(acc_o, logsum)
             T.copy(acc_o, O_shared)
             T.copy(O_shared, tile(Output, lo, bz, by, bx * block_M, block_M))
+
+    @T.macro
+    def qk_in_turn(acc_s, Q_shared, K_stage, wg):
+        """QK^T issued in warpgroup wg's turn (named barrier _TURN_BARRIER + wg), the turn handed over as soon as
+        it is issued, waited for after: each warpgroup's softmax then runs while the other's QK^T is on the tensor
+        cores, where both would otherwise reach their GEMMs and their softmax together (FlashAttention-3's
+        inter-warpgroup pingpong). Each turn pairs one warpgroup's bar.sync with the other's bar.arrive."""
+        T.sync_threads(_TURN_BARRIER + wg, threads)
+        T.gemm(Q_shared, K_stage, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow,
+               annotations={"wg_wait": -1})  # fmt: skip
+        T.named_barrier_arrive(_TURN_BARRIER + 1 - wg, threads)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def persistent_body(Q, K, V, Mask, Kept, Output):
+        """`persistent` resident CTAs, each walking tiles t = its index, + persistent, ...: a TMA producer
+        warpgroup (the last) loads every tile's Q and its K/V blocks into num_stages stages, running ahead of
+        the consumers across tiles, so that a tile's first blocks are in shared memory while the previous
+        tile's last steps and epilogue run; in the non-persistent grid each CTA waits for its Q and first K
+        after launch. The consumer warpgroups run the plain schedule per block (QK^T, softmax, rescale, PV)
+        and give a stage back (`kv_empty`) once PV has read it; Q goes back (`q_empty`) after a tile's last
+        step. Both sides count blocks across the tiles (`step`), which fixes each block's stage and phase, as
+        gemm_epilogue._overlap_body does; TileLang's thread-sync pass is off (it would sync the two sides:
+        deadlock), so the consumers' syncs around the staged output tile are placed here."""
+        n_q = T.ceildiv(seq_q, block_M)
+        tiles = n_q * heads_q * batch
+        producer_regs, consumer_regs = _register_split(threads, min_blocks)
+        with T.Kernel(persistent, threads=threads + 128) as cta:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
+            Q_shared = T.alloc_shared([block_M, dim], dtype)
+            K_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            V_shared = T.alloc_shared([num_stages, block_N, dim], dtype)
+            O_shared = T.alloc_shared([block_M, dim], dtype)
+            acc_s = T.alloc_fragment([block_M, block_N], accum)
+            P_buf = T.alloc_fragment([block_M, block_N], dtype)
+            acc_o = T.alloc_fragment([block_M, dim], accum)
+            scores_max = T.alloc_fragment([block_M], accum)
+            scores_max_prev = T.alloc_fragment([block_M], accum)
+            scores_scale = T.alloc_fragment([block_M], accum)
+            scores_sum = T.alloc_fragment([block_M], accum)
+            logsum = T.alloc_fragment([block_M], accum)
+            kmask = T.alloc_fragment([block_N], accum) if key_only else None
+            q_full = T.alloc_barrier([128])
+            q_empty = T.alloc_barrier([threads])
+            k_full = T.alloc_barrier([128] * num_stages)
+            v_full = T.alloc_barrier([128] * num_stages)
+            kv_empty = T.alloc_barrier([threads] * num_stages)
+            step = T.alloc_local((1,), "int32")
+            step[0] = 0
+            with T.ws(threads // 128):
+                T.dec_max_nreg(producer_regs)
+                for it in T.serial(T.ceildiv(tiles - cta, persistent)):
+                    bx, by, bz = tile_of(cta + it * persistent, n_q)
+                    hk = by // group
+                    T.mbarrier_wait_parity(q_empty[0], it % 2 ^ 1)
+                    T.tma_copy(tile(Q, lq, bz, by, bx * block_M, block_M), Q_shared, barrier=q_full[0])
+                    T.mbarrier_arrive(q_full[0])
+                    for k in T.serial(key_blocks(bx)):
+                        s = step[0] % num_stages
+                        T.mbarrier_wait_parity(kv_empty[s], (step[0] // num_stages) % 2 ^ 1)
+                        T.tma_copy(tile(K, lk, bz, hk, k * block_N, block_N), K_shared[s, :, :], barrier=k_full[s])
+                        T.mbarrier_arrive(k_full[s])
+                        T.tma_copy(tile(V, lv, bz, hk, k * block_N, block_N), V_shared[s, :, :], barrier=v_full[s])
+                        T.mbarrier_arrive(v_full[s])
+                        step[0] = step[0] + 1
+            with T.ws(*range(threads // 128)):
+                T.inc_max_nreg(consumer_regs)
+                stats = (scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+                wg = T.alloc_var("int32", init=T.get_thread_binding() // 128)[0] if pingpong else None
+                if pingpong and wg == 1:
+                    T.named_barrier_arrive(_TURN_BARRIER, threads)  # warpgroup 0 takes the first turn
+                for it in T.serial(T.ceildiv(tiles - cta, persistent)):
+                    bx, by, bz = tile_of(cta + it * persistent, n_q)
+                    all_kept = None
+                    if kept_rows:
+                        row = Kept[0 if bb else bz]
+                        all_kept = _keeps(row, mask_keeps) if mask_kind == "bool" else row == 0
+                    T.fill(acc_o, 0)
+                    T.fill(logsum, 0)
+                    T.fill(scores_max, neg_inf)
+                    T.mbarrier_wait_parity(q_full[0], it % 2)
+                    for k in T.serial(key_blocks(bx)):
+                        s = step[0] % num_stages
+                        phase = (step[0] // num_stages) % 2
+                        if kmask is not None:
+                            load_key_mask(Mask, kmask, all_kept, k, bz)
+                        T.mbarrier_wait_parity(k_full[s], phase)
+                        if pingpong:
+                            qk_in_turn(acc_s, Q_shared, K_shared[s, :, :], wg)
+                        else:
+                            T.gemm(Q_shared, K_shared[s, :, :], acc_s, transpose_B=True, clear_accum=True,
+                                   policy=T.GemmWarpPolicy.FullRow)  # fmt: skip
+                        scores_of(acc_s, Mask, kmask, all_kept, k, bx, by, bz)
+                        softmax(acc_s, *stats)
+                        T.copy(acc_s, P_buf)
+                        rescale(acc_o, scores_scale)
+                        T.mbarrier_wait_parity(v_full[s], phase)
+                        T.gemm(P_buf, V_shared[s, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        T.mbarrier_arrive(kv_empty[s])
+                        step[0] = step[0] + 1
+                    T.mbarrier_arrive(q_empty[0])
+                    finish(acc_o, logsum)
+                    T.sync_threads(_OUTPUT_BARRIER, threads)  # every consumer is past the last tile's O_shared
+                    T.copy(acc_o, O_shared)
+                    T.sync_threads(_OUTPUT_BARRIER, threads)
+                    T.copy(O_shared, tile(Output, lo, bz, by, bx * block_M, block_M))
+                if pingpong and wg == 0:
+                    T.sync_threads(_TURN_BARRIER, threads)  # warpgroup 1's last hand-over
+
+    main_body = persistent_body if persistent else body
 
     if kept_rows:
 
@@ -727,7 +864,7 @@ def gpu_program(
             Kept: T.Tensor(m_shape[:1], m_dtype),
             Output: T.Tensor(o_shape, dtype),
         ):
-            body(Q, K, V, Mask, Kept, Output)
+            main_body(Q, K, V, Mask, Kept, Output)
 
     elif has_mask:
 
@@ -739,7 +876,7 @@ def gpu_program(
             Mask: T.Tensor(m_shape, m_dtype),
             Output: T.Tensor(o_shape, dtype),
         ):
-            body(Q, K, V, Mask, None, Output)
+            main_body(Q, K, V, Mask, None, Output)
 
     else:
 
@@ -750,7 +887,7 @@ def gpu_program(
             V: v_t,
             Output: T.Tensor(o_shape, dtype),
         ):
-            body(Q, K, V, Q, None, Output)
+            main_body(Q, K, V, Q, None, Output)
 
     return flash_attention_fwd
 
@@ -884,15 +1021,19 @@ def cpu_program(
 # ---------------------------------------------------------------------------------------------------
 # Compilation (cached per compile-time key; dynamic dims make the key shape-free apart from heads/dim)
 # ---------------------------------------------------------------------------------------------------
-def program_pass_configs(arch: str) -> dict[str, bool]:
-    """The pass configs a GPU attention program is lowered with, on every path: fast math."""
-    return {} if arch == "cpu" else {"tl.enable_fast_math": True}
+def program_pass_configs(arch: str, config: dict | None = None) -> dict[str, bool]:
+    """The pass configs a GPU attention program with tile `config` is lowered with, on every path: fast math, and
+    for the persistent schedule TileLang's thread syncs off (`persistent_body` places its own)."""
+    if arch == "cpu":
+        return {}
+    return {"tl.enable_fast_math": True, **({"tl.disable_thread_storage_sync": True} if (config or {}).get(
+        "persistent") else {})}
 
 
-def _pass_configs(arch: str = "sm90", device: str | None = None) -> dict:
+def _pass_configs(arch: str = "sm90", device: str | None = None, config: dict | None = None) -> dict:
     """The program's own, plus what keeps the sm80 template Ampere-style when built for a newer GPU
     (arch.run_target)."""
-    return {**program_pass_configs(arch), **run_pass_configs(arch, device)}
+    return {**program_pass_configs(arch, config), **run_pass_configs(arch, device)}
 
 
 def reads_strided(arch: str) -> bool:
@@ -905,11 +1046,12 @@ def reads_strided(arch: str) -> bool:
 def compile_gpu(arch: str, key: tuple, config_items: tuple, device: str | None = None):
     """Compile (and cache) the GPU kernel for `key` = gpu_program's keys and a config as sorted items,
     to run on `device` (the cache key: the sm80 variant is built per GPU arch)."""
-    if arch != "sm90" and dict(config_items).get("pipelined"):
-        raise UnsupportedError(f"flash_attention: the pipelined schedule needs wgmma (sm90), not {arch}")
+    config = dict(config_items)
+    if arch != "sm90" and (config.get("pipelined") or config.get("persistent")):
+        raise UnsupportedError(f"flash_attention: the pipelined and persistent schedules need wgmma (sm90), not {arch}")
     return gpu_compile(("attention", arch, key, config_items),
-                       lambda: gpu_program(*key, **dict(config_items), strided_qkv=reads_strided(arch), kept_rows=True),
-                       run_target(arch, device), _pass_configs(arch, device))
+                       lambda: gpu_program(*key, **config, strided_qkv=reads_strided(arch), kept_rows=True),
+                       run_target(arch, device), _pass_configs(arch, device, config))
 
 
 @functools.cache
