@@ -90,3 +90,26 @@ def test_bert_base_add_layer_norm_builds_without_spills():
     build = cuda_compile(src, "sm90")
     assert build.spills and max(build.spills) == 0, build.log[-2000:]
     assert max(build.registers) <= 128, build.registers
+
+
+def _load_conditions(src: str) -> list[str]:
+    """The `if` conditions ahead of a row kernel's first all-reduce and first store (the sum's): where its loads
+    sit."""
+    end = min(src.index(mark) for mark in ("tl::AllReduce", "S_local_cast") if mark in src)
+    return re.findall(r"if \((.*)\) \{", src[:end])
+
+
+@pytest.mark.parametrize("n", [768, 1024, 4096])
+def test_row_loads_do_not_depend_on_the_row_guard(n):
+    """Multi-row CTAs read a padding row (past m) as row m - 1 (norm.read_row) instead of predicating each load on
+    its row: under the predicate, ptxas issued a chunk's loads only after the previous chunk's had arrived (n=768
+    fp16, sm90: three round trips to memory). So no condition ahead of the statistics depends on the thread, where
+    the row is not padded in its columns (n a multiple of the CTA's 16-byte chunks); the stores keep their guard."""
+    for cfg in norm_candidates(n, 2, "sm90"):
+        if cfg["block_rows"] == 1:
+            continue
+        for src in (lower_cuda(_norm("layer", n, "float16", "float16", cfg), "sm90"),
+                    lower_cuda(softmax_program_gpu(n, "float16", **cfg), "sm90")):
+            assert _load_conditions(src) and not any("threadIdx" in c for c in _load_conditions(src)), cfg
+            assert "min(" in src[: src.index("tl::AllReduce")]
+            assert re.search(r"if \(.*threadIdx.*< m\)", src), "the stores of padding rows stay guarded"

@@ -66,7 +66,7 @@ GPU_ARCHS = ["sm90", "sm80"]
 @pytest.mark.parametrize("m,n,dtype", [
     (1000, 4096, torch.float16), (1000, 4096, torch.bfloat16), (1000, 4096, torch.float32),
     (1, 1000, torch.float16), (77, 4095, torch.bfloat16), (77, 4095, torch.float32),
-    (300, 128, torch.float16), (3, 32768, torch.float32),
+    (300, 128, torch.float16), (3, 32768, torch.float32), (77, 768, torch.float16),
 ])
 def test_gpu(arch, dtype, m, n, monkeypatch):
     monkeypatch.setenv("TKOPT_AUTOTUNE", "0")

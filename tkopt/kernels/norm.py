@@ -26,7 +26,8 @@ per-row all-reduce over the row's threads), y (and the sum) written once with 12
 after it is formed, y at the end, each from a loop with a single store (see the comment at the sum's loop). A weight
 wider than x (fp32 weight, 16-bit x) limits y's loop to 4-wide vectors (64-bit y stores). Hidden sizes that
 are not a multiple of 16 bytes * threads_per_row are padded inside the CTA and guarded (row/column guards
-keep 128-bit accesses when a row is a multiple of 16 bytes; other n give unaligned rows: scalar accesses).
+keep 128-bit accesses when a row is a multiple of 16 bytes; other n give unaligned rows: scalar accesses). A
+CTA's padding rows past m read row m - 1 and are never stored (`read_row`: unpredicated loads go out together).
 Max hidden size on GPU: MAX_N_GPU (registers); larger raises UnsupportedError.
 CPU design: serial C loops per row, same math (float32 statistics, float64 stays float64).
 """
@@ -116,6 +117,21 @@ def in_bounds(m, n: int, col_guard: bool, row_guard: bool):
     return ok
 
 
+def read_row(m, n: int, col_guard: bool, row_guard: bool):
+    """The loader `read(buf, row, j, fill)` of a row tile: buf[row, j], with the row guard as a clamp (a padding
+    row past m reads row m - 1; nothing computed from it is stored: the stores keep `in_bounds`) and `fill` past n.
+    Under a row predicate ptxas branched around each chunk's use and issued the next chunk's loads only after the
+    previous chunk's had arrived (add + LayerNorm, n = 768 fp16: three round trips to memory where one does);
+    clamped, a thread's loads are unconditional and go out together."""
+    import tilelang.language as T
+
+    def read(buf, row, j, fill):
+        value = buf[T.min(row, m - 1) if row_guard else row, j]
+        return T.if_then_else(j < n, value, fill) if col_guard else value
+
+    return read
+
+
 def row_fragment(block_rows: int, np_: int, vec: int, threads_per_row: int):
     """The register layout of a (block_rows, np_) row tile: row i lives on threads [i*tpr, (i+1)*tpr), thread t of
     the row owns the 16-byte chunks t, t + tpr, t + 2*tpr, ... (vec elements each), i.e. np_/tpr registers.
@@ -169,6 +185,7 @@ def norm_program_gpu(
     m = T.dynamic("m")
 
     ok = in_bounds(m, n, col_guard, row_guard)
+    read = read_row(m, n, col_guard, row_guard)
 
     @T.prim_func
     def main(
@@ -188,17 +205,11 @@ def norm_program_gpu(
             T.annotate_layout({s: layout, d: layout})
             for i, j in T.Parallel(block_rows, np_):
                 row = bx * block_rows + i
-                if col_guard or row_guard:
-                    if has_residual:
-                        s[i, j] = T.if_then_else(
-                            ok(row, j), T.Cast(acc, X[row, j]) + T.Cast(acc, R[row, j]), T.float32(0))
-                    else:
-                        s[i, j] = T.if_then_else(ok(row, j), T.Cast(acc, X[row, j]), T.float32(0))
+                zero = T.cast(0, dtype)
+                if has_residual:
+                    s[i, j] = T.Cast(acc, read(X, row, j, zero)) + T.Cast(acc, read(R, row, j, zero))
                 else:
-                    if has_residual:
-                        s[i, j] = T.Cast(acc, X[row, j]) + T.Cast(acc, R[row, j])
-                    else:
-                        s[i, j] = T.Cast(acc, X[row, j])
+                    s[i, j] = T.Cast(acc, read(X, row, j, zero))
             if write_sum:
                 # The sum goes out from the fp32 registers in a loop of its own, right after it is formed (its
                 # stores then overlap the reductions below; x and r are still read once). Keep ONE global

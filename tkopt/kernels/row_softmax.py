@@ -27,6 +27,7 @@ from .norm import (
     default_norm_config,
     in_bounds,
     norm_candidates,
+    read_row,
     row_fragment,
     tl_dtype,
 )
@@ -48,6 +49,7 @@ def softmax_program_gpu(n: int, dtype: str, *, block_rows: int, threads_per_row:
     m = T.dynamic("m")
 
     ok = in_bounds(m, n, col_guard, row_guard)
+    read = read_row(m, n, col_guard, row_guard)
 
     @T.prim_func
     def main(X: T.Tensor((m, n), dtype), Y: T.Tensor((m, n), dtype)):
@@ -59,11 +61,7 @@ def softmax_program_gpu(n: int, dtype: str, *, block_rows: int, threads_per_row:
             # see norm.row_fragment)
             T.annotate_layout({s: row_fragment(block_rows, np_, vec, threads_per_row)})
             for i, j in T.Parallel(block_rows, np_):
-                row = bx * block_rows + i
-                if col_guard or row_guard:
-                    s[i, j] = T.if_then_else(ok(row, j), T.Cast(acc, X[row, j]), -T.infinity(acc))
-                else:
-                    s[i, j] = T.Cast(acc, X[row, j])
+                s[i, j] = T.Cast(acc, read(X, bx * block_rows + i, j, -T.infinity(dtype)))
             T.reduce_max(s, mx, dim=1)
             for i in T.Parallel(block_rows):
                 # a row of all -inf gives NaN, as torch does; (rows beyond m are never stored)
