@@ -671,6 +671,17 @@ def gpu_program(
             for i, j in T.Parallel(block_M, dim):
                 acc_o[i, j] /= logsum[i]
 
+    def softmax_state():
+        """(O's accumulator, the online softmax's row state: running max, its previous value, the rescale factor,
+        a block's row sums, the running sum), allocated in the calling kernel."""
+        acc_o = T.alloc_fragment([block_M, dim], accum)
+        scores_max = T.alloc_fragment([block_M], accum)
+        scores_max_prev = T.alloc_fragment([block_M], accum)
+        scores_scale = T.alloc_fragment([block_M], accum)
+        scores_sum = T.alloc_fragment([block_M], accum)
+        logsum = T.alloc_fragment([block_M], accum)
+        return acc_o, (scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+
     def tile_of(t, n_q):
         """(query block, q head, batch) of tile t in launch order: the non-persistent grid's order (causal:
         `causal_order`'s), so that the tiles that run together share K/V in L2 either way."""
@@ -711,13 +722,8 @@ def gpu_program(
                 P_buf = T.alloc_shared([block_M, block_N], dtype)
             else:
                 P_buf = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], accum)
-            scores_max = T.alloc_fragment([block_M], accum)
-            scores_max_prev = T.alloc_fragment([block_M], accum)
-            scores_scale = T.alloc_fragment([block_M], accum)
-            scores_sum = T.alloc_fragment([block_M], accum)
-            logsum = T.alloc_fragment([block_M], accum)
-            stats = (scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
+            acc_o, stats = softmax_state()
+            scores_max, scores_max_prev, scores_scale, scores_sum, logsum = stats  # named: the CUDA source's names
             kmask = T.alloc_fragment([block_N], accum) if key_only and pipelined else None
             all_kept = None
             if kept_rows:
@@ -777,12 +783,8 @@ def gpu_program(
             O_shared = T.alloc_shared([block_M, dim], dtype)
             acc_s = T.alloc_fragment([block_M, block_N], accum)
             P_buf = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], accum)
-            scores_max = T.alloc_fragment([block_M], accum)
-            scores_max_prev = T.alloc_fragment([block_M], accum)
-            scores_scale = T.alloc_fragment([block_M], accum)
-            scores_sum = T.alloc_fragment([block_M], accum)
-            logsum = T.alloc_fragment([block_M], accum)
+            acc_o, stats = softmax_state()
+            scores_max, scores_max_prev, scores_scale, scores_sum, logsum = stats  # named: the CUDA source's names
             kmask = T.alloc_fragment([block_N], accum) if key_only else None
             q_full = T.alloc_barrier([128])
             q_empty = T.alloc_barrier([threads])
@@ -809,7 +811,6 @@ def gpu_program(
                         step[0] = step[0] + 1
             with T.ws(*range(threads // 128)):
                 T.inc_max_nreg(consumer_regs)
-                stats = (scores_max, scores_max_prev, scores_scale, scores_sum, logsum)
                 wg = T.alloc_var("int32", init=T.get_thread_binding() // 128)[0] if pingpong else None
                 if pingpong and wg == 1:
                     T.named_barrier_arrive(_TURN_BARRIER, threads)  # warpgroup 0 takes the first turn

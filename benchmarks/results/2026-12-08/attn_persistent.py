@@ -31,13 +31,7 @@ D128 = {
                                              pingpong=True),
     "sm90 persistent 128x64 s3": dict(block_M=128, block_N=64, num_stages=3, threads=256, persistent=SMS),
 }
-CASES = [
-    ("bert 16x512", 16, 12, 12, 512, 64, False),
-    ("d64 8x2048", 8, 16, 16, 2048, 64, False),
-    ("gpt2 8x1024 causal", 8, 12, 12, 1024, 64, True),
-    ("d128 8x2048", 8, 16, 16, 2048, 128, False),
-    ("gqa 4x2048 32/8 causal", 4, 32, 8, 2048, 128, True),
-]
+CASES = [*arch_tiles.CASES, ("d64 8x2048", 8, 16, 16, 2048, 64, False)]
 
 if __name__ == "__main__":
     torch.manual_seed(0)
