@@ -103,7 +103,7 @@ def _load_conditions(src: str) -> list[str]:
 def test_row_loads_do_not_depend_on_the_row_guard(n):
     """Multi-row CTAs read a padding row (past m) as row m - 1 (norm.read_row) instead of predicating each load on
     its row: under the predicate, ptxas issued a chunk's loads only after the previous chunk's had arrived (n=768
-    fp16, sm90: three round trips to memory). So no condition ahead of the statistics depends on the thread, where
+    fp16, sm90: two round trips to memory). So no condition ahead of the statistics depends on the thread, where
     the row is not padded in its columns (n a multiple of the CTA's 16-byte chunks); the stores keep their guard."""
     for cfg in norm_candidates(n, 2, "sm90"):
         if cfg["block_rows"] == 1:

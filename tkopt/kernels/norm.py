@@ -121,7 +121,7 @@ def read_row(m, n: int, col_guard: bool, row_guard: bool):
     """The loader `read(buf, row, j, fill)` of a row tile: buf[row, j], with the row guard as a clamp (a padding
     row past m reads row m - 1; nothing computed from it is stored: the stores keep `in_bounds`) and `fill` past n.
     Under a row predicate ptxas branched around each chunk's use and issued the next chunk's loads only after the
-    previous chunk's had arrived (add + LayerNorm, n = 768 fp16: three round trips to memory where one does);
+    previous chunk's had arrived (add + LayerNorm, n = 768 fp16: two round trips to memory where one does);
     clamped, a thread's loads are unconditional and go out together."""
     import tilelang.language as T
 
