@@ -541,8 +541,8 @@ def test_persistent_schedule_hands_its_buffers_over_in_order(lowered, name):
     - ptxas keeps the wgmma asynchronous (C7514 / C7517: a path reads its registers before the wait).
     """
     src = lowered[name]
-    threads = LOWER_CASES[name][9].get("threads", _config("sm90", LOWER_CASES[name][2], {})["threads"])
-    stages = _config("sm90", LOWER_CASES[name][2], LOWER_CASES[name][9])["num_stages"]
+    config = _config("sm90", LOWER_CASES[name][2], LOWER_CASES[name][9])
+    threads, stages = config["threads"], config["num_stages"]
     inits = dict(re.findall(r"(\w+\[\d+\])\.init\((\d+)\)", src))
     want = {"q_full[0]": 128, "q_empty[0]": threads}
     for i in range(stages):
@@ -555,7 +555,7 @@ def test_persistent_schedule_hands_its_buffers_over_in_order(lowered, name):
     pv = consumer.index("wgmma_rs")
     assert consumer.index("warpgroup_wait<0>", pv) < consumer.index("kv_empty[", pv) < consumer.index(
         "q_empty[0].arrive()", pv)
-    if LOWER_CASES[name][9].get("pingpong"):
+    if config.get("pingpong"):
         turn = consumer.index("__sync_thread_partial((wg + 4), ")
         issue = consumer.index("wgmma_ss", turn)
         handed = consumer.index("__named_barrier_arrive((5 - wg), ", issue)

@@ -107,6 +107,12 @@ def run_target(arch: str, device: str | None = None) -> dict[str, str] | str:
     return dict(TARGETS[arch])
 
 
+# Pass configs of the warp-specialized kernels that place their own syncs (gemm_epilogue._overlap_body,
+# attention's persistent schedule): TileLang's thread-sync pass would put a __syncthreads between the producer and
+# the consumers, which never meet there (deadlock).
+OWN_SYNCS_PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+
+
 def run_pass_configs(arch: str, device: str | None = None) -> dict[str, bool]:
     """Pass configs that go with `run_target(arch, device)` (empty unless sm80 is built for a newer GPU)."""
     target = run_target(arch, device)

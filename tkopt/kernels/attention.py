@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
+from .arch import OWN_SYNCS_PASS_CONFIGS, Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .config import DTYPE_BYTES
 from .constants import const
 from .libraries import gpu_compile
@@ -1027,8 +1027,8 @@ def program_pass_configs(arch: str, config: dict | None = None) -> dict[str, boo
     for the persistent schedule TileLang's thread syncs off (`persistent_body` places its own)."""
     if arch == "cpu":
         return {}
-    return {"tl.enable_fast_math": True, **({"tl.disable_thread_storage_sync": True} if (config or {}).get(
-        "persistent") else {})}
+    own_syncs = OWN_SYNCS_PASS_CONFIGS if (config or {}).get("persistent") else {}
+    return {"tl.enable_fast_math": True, **own_syncs}
 
 
 def _pass_configs(arch: str = "sm90", device: str | None = None, config: dict | None = None) -> dict:

@@ -43,7 +43,7 @@ import time
 import torch
 
 from .activations import activation
-from .arch import Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
+from .arch import OWN_SYNCS_PASS_CONFIGS, Build, UnsupportedError, arch_of, device_sm, run_pass_configs, run_target
 from .config import TileConfig, default_config, dtype_name
 from .libraries import gpu_compile
 from .precision import matmul_precision
@@ -358,7 +358,6 @@ def _gpu_program(N, K, dtype, cfg, b_t, has_bias, act, has_res, gated, m, *, spl
     return _signature(body, M, N, K, dtype, b_shape, has_bias, has_res, gated)
 
 
-OVERLAP_PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}  # _overlap_body says why
 # the named barrier the overlap kernel's consumer warpgroups sync on (0 is __syncthreads); pingpong: this and the next
 _CONSUMER_BARRIER = 3
 
@@ -387,7 +386,7 @@ def _overlap_body(M, n_tiles, K, dtype, cfg, b_t, grid, group, gated, bs_shape, 
     then gives back step g-1's stage (`empty`); a tile's last stage is given back after its final wait, before
     the epilogue. Both sides count K steps across a persistent block's tiles (`step`), which fixes each step's
     stage and barrier phase. TileLang's thread-sync pass would put a __syncthreads between the two sides
-    (deadlock), so it is off for this kernel (OVERLAP_PASS_CONFIGS) and the consumers' syncs around the staged
+    (deadlock), so it is off for this kernel (OWN_SYNCS_PASS_CONFIGS) and the consumers' syncs around the staged
     output tile are placed by `finish`. With cfg.pingpong the two consumer warpgroups take whole tiles in turn
     (`take_turns`) instead of sharing each one. `dispatch` picks a grouped GEMM's weight, bias and output by
     column tile (_gpu_program), where the producer loads and the consumers store."""
@@ -825,7 +824,7 @@ def _compile(key, device=None):
 
 def program_pass_configs(config: TileConfig) -> dict[str, bool]:
     """The pass configs `gemm_program(..., config)` must be lowered with (its own, beside the arch's)."""
-    return OVERLAP_PASS_CONFIGS if config.overlap else {}
+    return OWN_SYNCS_PASS_CONFIGS if config.overlap else {}
 
 
 def compiled_kernel(arch, N, K, dtype, config, b_transposed=False, has_bias=False, act=None,
